@@ -1,0 +1,1 @@
+"""Attention kernels (Pallas on GPU) and the pure-JAX references they match."""

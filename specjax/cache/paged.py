@@ -1,0 +1,136 @@
+"""Paged KV cache: a page pool per attention layer, block tables per sequence.
+
+Device side (`KVCache`, a pytree donated to every step):
+  k_pages, v_pages: per layer `[K, P, page_size, H]` (K kv heads, P pages).
+  block_tables: `[B, pages_per_seq]` int32, page ids of each sequence in order.
+  lengths: `[B]` int32, tokens already in the cache for each sequence.
+
+Page 0 is the null page: never handed out, it absorbs the writes of padded
+query rows, so padding never touches a live page. Rollback is by length: a
+verify step that rejects drafts just does not advance `lengths`; the stale
+slots are masked out by length and overwritten later.
+
+Host side (`PageAllocator`): a free list of page ids with allocate / extend /
+free and a clear error when the pool runs out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.errors import OutOfPagesError
+
+NULL_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  k_pages: tuple[jax.Array, ...]  # per layer [K, P, page_size, H]
+  v_pages: tuple[jax.Array, ...]  # per layer [K, P, page_size, H]
+  block_tables: jax.Array  # [B, pages_per_seq] int32
+  lengths: jax.Array  # [B] int32
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages[0].shape[2]
+
+  @property
+  def capacity(self) -> int:
+    """Tokens one sequence can hold with its block table width."""
+    return self.block_tables.shape[1] * self.page_size
+
+  @classmethod
+  def create(
+      cls,
+      layer_shapes: list[tuple[int, int]],  # per layer (kv heads, head dim)
+      *,
+      num_pages: int,
+      page_size: int,
+      block_tables: np.ndarray,  # [B, pages_per_seq]
+      dtype=jnp.float32,
+  ) -> KVCache:
+    k = tuple(jnp.zeros((kv, num_pages, page_size, h), dtype) for kv, h in layer_shapes)
+    v = tuple(jnp.zeros((kv, num_pages, page_size, h), dtype) for kv, h in layer_shapes)
+    bt = jnp.asarray(block_tables, jnp.int32)
+    return cls(k, v, bt, jnp.zeros((bt.shape[0],), jnp.int32))
+
+
+def token_slots(
+    block_tables: jax.Array,  # [B, pages_per_seq]
+    positions: jax.Array,  # [B, T] absolute positions
+    valid: jax.Array,  # [B, T] bool
+    page_size: int,
+) -> tuple[jax.Array, jax.Array]:
+  """Page id and in-page slot of each token; invalid tokens go to the null page."""
+  page_idx = jnp.clip(positions // page_size, 0, block_tables.shape[1] - 1)
+  pages = jnp.take_along_axis(block_tables, page_idx, axis=1)
+  pages = jnp.where(valid, pages, NULL_PAGE)
+  return pages, positions % page_size
+
+
+def write_kv(
+    pages: jax.Array,  # [K, P, page_size, H]
+    new: jax.Array,  # [B, T, K, H]
+    page_ids: jax.Array,  # [B, T]
+    slots: jax.Array,  # [B, T]
+) -> jax.Array:
+  """Scatters T new keys (or values) per sequence into the page pool."""
+  return pages.at[:, page_ids, slots].set(jnp.moveaxis(new, 2, 0).astype(pages.dtype))
+
+
+class PageAllocator:
+  """Host-side free list of page ids (page 0 is reserved as the null page)."""
+
+  def __init__(self, num_pages: int, page_size: int):
+    if num_pages < 2:
+      raise OutOfPagesError(f'a KV cache needs at least 2 pages (one is the null page), got {num_pages}')
+    self.num_pages = num_pages
+    self.page_size = page_size
+    self._free = list(range(num_pages - 1, 0, -1))
+    self._owned: dict[int, list[int]] = {}
+
+  @property
+  def free_pages(self) -> int:
+    return len(self._free)
+
+  def pages_for(self, num_tokens: int) -> int:
+    return math.ceil(num_tokens / self.page_size)
+
+  def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
+    """Reserves pages for `num_tokens` tokens of a new sequence."""
+    if seq_id in self._owned:
+      raise ValueError(f'sequence {seq_id} already holds pages')
+    self._owned[seq_id] = []
+    return self.extend(seq_id, num_tokens)
+
+  def extend(self, seq_id: int, num_tokens: int) -> list[int]:
+    """Grows a sequence's pages to hold `num_tokens` tokens in all."""
+    owned = self._owned[seq_id]
+    need = self.pages_for(num_tokens) - len(owned)
+    if need > len(self._free):
+      raise OutOfPagesError(
+          f'KV cache out of pages: sequence {seq_id} needs {need} more pages of {self.page_size} tokens '
+          f'for {num_tokens} tokens, {len(self._free)} of {self.num_pages - 1} are free '
+          '(raise num_pages or lower the batch / max_new_tokens)')
+    for _ in range(max(need, 0)):
+      owned.append(self._free.pop())
+    return list(owned)
+
+  def free(self, seq_id: int) -> None:
+    self._free.extend(reversed(self._owned.pop(seq_id)))
+
+  def block_table(self, seq_ids: list[int], pages_per_seq: int) -> np.ndarray:
+    """`[len(seq_ids), pages_per_seq]` int32 block table, padded with the null page."""
+    table = np.full((len(seq_ids), pages_per_seq), NULL_PAGE, np.int32)
+    for row, seq_id in enumerate(seq_ids):
+      owned = self._owned.get(seq_id, [])
+      if len(owned) > pages_per_seq:
+        raise ValueError(f'sequence {seq_id} holds {len(owned)} pages, more than {pages_per_seq}')
+      table[row, :len(owned)] = owned
+    return table

@@ -1,0 +1,298 @@
+"""Autoregressive generation over the paged KV cache.
+
+The host loop: tokenize, reserve pages, prefill in padded buckets, then one
+jitted decode step per token with the decode state donated. Each step does one
+host transfer (the new tokens and the still-active flags). Executables are
+compiled ahead of time per shape bucket and cached on the `Engine`, so steady
+state never recompiles (a shape mismatch would be an error, not a compile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import sampling as sampling_lib
+from specjax.cache.paged import KVCache, PageAllocator
+from specjax.errors import OutOfPagesError, SpecjaxError
+from specjax.models.base import Model
+from specjax.sampling import SamplingParams
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+  return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+  cache: KVCache
+  last_tokens: jax.Array  # [B] the newest token of each row, not yet in the cache
+  active: jax.Array  # [B] bool, still generating
+  num_generated: jax.Array  # [B] tokens emitted so far
+  max_new: jax.Array  # [B] token budget per row
+  seq_ids: jax.Array  # [B] ids that seed each row's random draws
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  text: str
+  tokens: list[int]  # generated ids (an EOS that stopped the row included)
+  prompt_tokens: int
+  finish_reason: str  # "eos" | "length"
+
+
+@dataclasses.dataclass
+class GenerationStats:
+  prefill_s: float = 0.0
+  decode_s: float = 0.0
+  compile_s: float = 0.0
+  decode_steps: int = 0
+  generated_tokens: int = 0
+  rows: int = 0
+
+  @property
+  def tokens_per_s(self) -> float:
+    """End to end: generated tokens over prefill + decode time."""
+    total = self.prefill_s + self.decode_s
+    return self.generated_tokens / total if total > 0 else 0.0
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    """Steady state: tokens after the first over decode time."""
+    return (self.generated_tokens - self.rows) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+# ---------------------------------------------------------------- jitted bodies
+
+
+def _prefill_chunk(graphdef, params, cache, tokens, query_lens, last_hidden):
+  """Appends one chunk of each prompt; keeps the hidden state of its last token."""
+  model = nnx.merge(graphdef, params)
+  hidden, cache = model(tokens, cache, query_lens)  # [B, T, D]
+  idx = jnp.maximum(query_lens - 1, 0)
+  chunk_last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
+  return cache, jnp.where((query_lens > 0)[:, None], chunk_last, last_hidden)
+
+
+def _emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams):
+  """Samples each active row's next token from `hidden` [B, D] and updates `state`."""
+  logits = model.logits(hidden).astype(jnp.float32)
+  keys = sampling_lib.row_keys(sampling.seed, state.seq_ids, state.cache.lengths)
+  tokens = sampling_lib.sample(logits, sampling, keys)
+  tokens = jnp.where(state.active, tokens, state.last_tokens)
+  num_generated = state.num_generated + state.active
+  is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
+  active = state.active & ~is_eos & (num_generated < state.max_new)
+  return dataclasses.replace(state, last_tokens=tokens, active=active, num_generated=num_generated)
+
+
+def _start(graphdef, params, state, last_hidden, eos_ids, sampling):
+  return _emit(nnx.merge(graphdef, params), last_hidden, state, eos_ids, sampling)
+
+
+def _decode_step(graphdef, params, state, eos_ids, sampling):
+  """Feeds each active row's last token, samples the next one."""
+  model = nnx.merge(graphdef, params)
+  hidden, cache = model(state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
+  state = _emit(model, hidden[:, 0], dataclasses.replace(state, cache=cache), eos_ids, sampling)
+  return state, (state.last_tokens, state.active)
+
+
+# ---------------------------------------------------------------- engine
+
+
+class Engine:
+  """Batched autoregressive generation for one model.
+
+  Args:
+    model: a loaded `specjax.models.base.Model`.
+    page_size: tokens per KV page.
+    max_seq_len: capacity of one sequence (prompt + new tokens); defaults to the
+      model's `max_position_embeddings`.
+    num_pages: size of the page pool (one page is the null page); defaults to
+      what the batch needs. A pool too small for a request fails before work.
+    prefill_chunk: the largest prefill bucket; longer prompts are prefilled in
+      chunks of this many tokens.
+  """
+
+  def __init__(self, model: Model, *, page_size: int = 16, max_seq_len: int | None = None,
+               num_pages: int | None = None, prefill_chunk: int = 512):
+    if page_size < 1 or page_size & (page_size - 1):
+      raise SpecjaxError(f'page_size must be a power of two, got {page_size}')
+    self.model = model
+    self.page_size = page_size
+    self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+    self.num_pages = num_pages
+    self.prefill_chunk = prefill_chunk
+    self._executables: dict[tuple, Callable] = {}
+    self.compile_s = 0.0
+
+  # -- compilation
+
+  def _compiled(self, name: str, fn: Callable, args: tuple, static: dict, donate: tuple[int, ...]):
+    """AOT-compiled `fn` for the shapes of `args`; compiled once per bucket."""
+    shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
+    key = (name, shapes, tuple(sorted(static.items())))
+    exe = self._executables.get(key)
+    if exe is None:
+      t = time.perf_counter()
+      jitted = jax.jit(functools.partial(fn, self.model.graphdef, **static), donate_argnums=donate)
+      exe = jitted.lower(self.model.params, *args).compile()
+      self.compile_s += time.perf_counter() - t
+      self._executables[key] = exe
+    return exe
+
+  def _call(self, name, fn, args, static=None, donate=(1,)):
+    return self._compiled(name, fn, args, static or {}, donate)(self.model.params, *args)
+
+  # -- validation
+
+  def _plan(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, int]:
+    """Checks capacity and pages before any work; returns (pages_per_seq, num_pages)."""
+    longest = max(len(p) for p in prompts)
+    for i, p in enumerate(prompts):
+      if not p:
+        raise SpecjaxError(f'prompt {i} is empty (no tokens)')
+      if len(p) + max_new_tokens > self.max_seq_len:
+        raise SpecjaxError(
+            f'prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs '
+            f'{len(p) + max_new_tokens} positions, over the capacity of {self.max_seq_len}')
+    pages_per_seq = next_pow2(math.ceil((longest + max_new_tokens) / self.page_size))
+    batch = next_pow2(len(prompts))
+    num_pages = self.num_pages or batch * pages_per_seq + 1
+    need = sum(math.ceil((len(p) + max_new_tokens) / self.page_size) for p in prompts)
+    if need > num_pages - 1:
+      raise OutOfPagesError(
+          f'KV cache out of pages: the batch needs {need} pages of {self.page_size} tokens, '
+          f'the pool has {num_pages - 1} (raise num_pages or lower the batch / max_new_tokens)')
+    return pages_per_seq, num_pages
+
+  def encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    if isinstance(prompts, str):
+      prompts = [prompts]
+    if not prompts:
+      raise SpecjaxError('no prompts given')
+    out = []
+    vocab = self.model.config.vocab_size
+    for p in prompts:
+      ids = self.model.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+      bad = [t for t in ids if not 0 <= t < vocab]
+      if bad:
+        raise SpecjaxError(f'token ids {bad[:5]} are outside the vocabulary of {vocab}')
+      out.append(ids)
+    return out
+
+  # -- generation
+
+  def prefill(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
+              eos_ids: jax.Array, request_ids: Sequence[int] | None = None) -> DecodeState:
+    """Reserves pages, runs the prompts through the model, samples the first token."""
+    pages_per_seq, num_pages = self._plan(prompts, max_new_tokens)
+    batch = next_pow2(len(prompts))
+    allocator = PageAllocator(num_pages, self.page_size)
+    for i, p in enumerate(prompts):
+      allocator.allocate(i, len(p) + max_new_tokens)
+    cache = KVCache.create(
+        self.model.kv_shapes, num_pages=num_pages, page_size=self.page_size,
+        block_tables=allocator.block_table(list(range(batch)), pages_per_seq))
+    lens = np.array([len(p) for p in prompts] + [0] * (batch - len(prompts)))
+    longest = int(lens.max())
+    chunk = min(self.prefill_chunk, next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= min(longest, self.prefill_chunk)))
+    chunk = max(chunk, 1)
+    last_hidden = jnp.zeros((batch, self.model.config.hidden_size), jnp.float32)
+    for start in range(0, longest, chunk):
+      tokens = np.zeros((batch, chunk), np.int32)
+      q_lens = np.clip(lens - start, 0, chunk).astype(np.int32)
+      for i, p in enumerate(prompts):
+        piece = p[start:start + chunk]
+        tokens[i, :len(piece)] = piece
+      cache, last_hidden = self._call('prefill', _prefill_chunk, (cache, tokens, q_lens, last_hidden))
+    n = len(prompts)
+    state = DecodeState(
+        cache=cache,
+        last_tokens=jnp.zeros((batch,), jnp.int32),
+        active=jnp.asarray(np.arange(batch) < n),
+        num_generated=jnp.zeros((batch,), jnp.int32),
+        max_new=jnp.asarray(np.where(np.arange(batch) < n, max_new_tokens, 0), jnp.int32),
+        seq_ids=jnp.asarray(list(request_ids or range(n)) + list(range(n, batch)), jnp.int32),
+    )
+    state = self._call('start', _start, (state, last_hidden, eos_ids), {'sampling': sampling})
+    self._compiled('decode', _decode_step, (state, eos_ids), {'sampling': sampling}, (1,))
+    return state
+
+  def generate(
+      self,
+      prompts: Sequence[str | Sequence[int]],
+      *,
+      max_new_tokens: int = 64,
+      sampling: SamplingParams = SamplingParams(),
+      stream: Callable[[int, str], None] | None = None,
+      request_ids: Sequence[int] | None = None,
+  ) -> tuple[list[GenerationResult], GenerationStats]:
+    """Generates for a batch of prompts (texts or token ids).
+
+    `stream(row, text_delta)` is called as text becomes final for each row.
+    Random draws are keyed by (seed, request id, position): request ids default
+    to the row numbers, so a row's tokens do not depend on the other rows or on
+    padding, and a row reruns alone with its request id.
+    """
+    if max_new_tokens < 1:
+      raise SpecjaxError(f'max_new_tokens must be at least 1, got {max_new_tokens}')
+    sampling.validate()
+    ids = self.encode(prompts)
+    eos = self.model.generation.eos_token_ids or self.model.tokenizer.eos_ids
+    eos_ids = jnp.asarray(list(eos) or [-1], jnp.int32)
+    stats = GenerationStats()
+    compile_before = self.compile_s
+    n = len(ids)
+    decoders = [self.model.tokenizer.stream() for _ in range(n)]
+    generated: list[list[int]] = [[] for _ in range(n)]
+
+    def emit(tokens: np.ndarray, fresh: np.ndarray):
+      for i in range(n):
+        if fresh[i]:
+          generated[i].append(int(tokens[i]))
+          delta = decoders[i].step(int(tokens[i]))
+          if stream and delta:
+            stream(i, delta)
+
+    t0 = time.perf_counter()
+    if request_ids is not None and len(request_ids) != len(ids):
+      raise SpecjaxError(f'{len(request_ids)} request ids for {len(ids)} prompts')
+    state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids)
+    tokens, active = jax.device_get((state.last_tokens, state.active))
+    stats.prefill_s = time.perf_counter() - t0
+    emit(tokens, np.arange(len(tokens)) < n)
+    t0 = time.perf_counter()
+    while active[:n].any():
+      state, out = self._call('decode', _decode_step, (state, eos_ids), {'sampling': sampling})
+      tokens, now_active = jax.device_get(out)
+      emit(tokens, active)
+      active = now_active
+      stats.decode_steps += 1
+    stats.decode_s = time.perf_counter() - t0
+    stats.compile_s = self.compile_s - compile_before
+    stats.prefill_s -= stats.compile_s  # every executable is compiled ahead, inside prefill
+    stats.generated_tokens = sum(len(g) for g in generated)
+    stats.rows = n
+    results = []
+    eos_set = set(eos)
+    for i in range(n):
+      tail = decoders[i].flush()
+      if stream and tail:
+        stream(i, tail)
+      reason = 'eos' if generated[i] and generated[i][-1] in eos_set else 'length'
+      text = self.model.tokenizer.decode(generated[i])
+      results.append(GenerationResult(text, generated[i], len(ids[i]), reason))
+    return results, stats

