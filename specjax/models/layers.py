@@ -63,14 +63,12 @@ class GatedMLP(nnx.Module):
   """`down(act(gate(x)) * up(x))`: GeGLU (Gemma) or SwiGLU (Llama, Qwen)."""
 
   def __init__(self, dim: int, hidden: int, *, activation: str):
-    self.gate = _zeros(dim, hidden)
-    self.up = _zeros(dim, hidden)
+    self.gate_up = _zeros(dim, 2 * hidden)  # gate and up side by side: one pass over the weights
     self.down = _zeros(hidden, dim)
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D]
-    gate = jnp.einsum('btd,df->btf', x, self.gate[...])
-    up = jnp.einsum('btd,df->btf', x, self.up[...])
+    gate, up = jnp.split(jnp.einsum('btd,df->btf', x, self.gate_up[...]), 2, axis=-1)
     return jnp.einsum('btf,fd->btd', ACTIVATIONS[self.activation](gate) * up, self.down[...])
 
 
