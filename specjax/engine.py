@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,9 @@ from flax import nnx
 
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache, PageAllocator
+from specjax.drafters.base import BatchPlan, Drafter
+from specjax.metrics import SpecMetrics
+from specjax.step import spec_step, write_tokens
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.models.base import Model
 from specjax.sampling import SamplingParams
@@ -42,6 +45,8 @@ class DecodeState:
   num_generated: jax.Array  # [B] tokens emitted so far
   max_new: jax.Array  # [B] token budget per row
   seq_ids: jax.Array  # [B] ids that seed each row's random draws
+  tokens: jax.Array  # [B, C] every token of each row (prompt + generated), for drafters
+  drafter: Any = ()  # the drafter's own state pytree
 
 
 @dataclasses.dataclass
@@ -50,6 +55,7 @@ class GenerationResult:
   tokens: list[int]  # generated ids (an EOS that stopped the row included)
   prompt_tokens: int
   finish_reason: str  # "eos" | "length"
+  spec: SpecMetrics | None = None  # speculative decoding only
 
 
 @dataclasses.dataclass
@@ -94,7 +100,12 @@ def _emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams):
   num_generated = state.num_generated + state.active
   is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
   active = state.active & ~is_eos & (num_generated < state.max_new)
-  return dataclasses.replace(state, last_tokens=tokens, active=active, num_generated=num_generated)
+  buffer = write_tokens(state.tokens, tokens[:, None], state.cache.lengths, state.active.astype(jnp.int32))
+  return dataclasses.replace(state, last_tokens=tokens, active=active, num_generated=num_generated, tokens=buffer)
+
+
+def _drafter_prefill(graphdef, params, dparams, dstate, tokens, query_lens, drafter):
+  return drafter.prefill(nnx.merge(graphdef, params), dparams, dstate, tokens, query_lens)
 
 
 def _start(graphdef, params, state, last_hidden, eos_ids, sampling):
@@ -124,10 +135,15 @@ class Engine:
       what the batch needs. A pool too small for a request fails before work.
     prefill_chunk: the largest prefill bucket; longer prompts are prefilled in
       chunks of this many tokens.
+    drafter: a `specjax.drafters.Drafter` for speculative decoding (None:
+      autoregressive only).
+    max_draft: the largest draft depth K a step may use (pages are reserved for
+      K + 1 lookahead positions).
   """
 
   def __init__(self, model: Model, *, page_size: int = 16, max_seq_len: int | None = None,
-               num_pages: int | None = None, prefill_chunk: int = 512):
+               num_pages: int | None = None, prefill_chunk: int = 512, drafter: Drafter | None = None,
+               max_draft: int = 8):
     if page_size < 1 or page_size & (page_size - 1):
       raise SpecjaxError(f'page_size must be a power of two, got {page_size}')
     self.model = model
@@ -135,6 +151,8 @@ class Engine:
     self.max_seq_len = max_seq_len or model.config.max_position_embeddings
     self.num_pages = num_pages
     self.prefill_chunk = prefill_chunk
+    self.drafter = drafter
+    self.max_draft = min(max_draft, drafter.max_depth) if drafter else 0
     self._executables: dict[tuple, Callable] = {}
     self.compile_s = 0.0
 
@@ -158,20 +176,27 @@ class Engine:
 
   # -- validation
 
+  @property
+  def lookahead(self) -> int:
+    """Positions past the token budget a verify step may write."""
+    return self.max_draft + 1 if self.drafter else 0
+
   def _plan(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, int]:
     """Checks capacity and pages before any work; returns (pages_per_seq, num_pages)."""
+    reserve = max_new_tokens + self.lookahead
     longest = max(len(p) for p in prompts)
     for i, p in enumerate(prompts):
       if not p:
         raise SpecjaxError(f'prompt {i} is empty (no tokens)')
-      if len(p) + max_new_tokens > self.max_seq_len:
+      if len(p) + reserve > self.max_seq_len:
+        extra = f' + {self.lookahead} draft lookahead' if self.lookahead else ''
         raise SpecjaxError(
-            f'prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs '
-            f'{len(p) + max_new_tokens} positions, over the capacity of {self.max_seq_len}')
-    pages_per_seq = next_pow2(math.ceil((longest + max_new_tokens) / self.page_size))
+            f'prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens}{extra} it needs '
+            f'{len(p) + reserve} positions, over the capacity of {self.max_seq_len}')
+    pages_per_seq = next_pow2(math.ceil((longest + reserve) / self.page_size))
     batch = next_pow2(len(prompts))
     num_pages = self.num_pages or batch * pages_per_seq + 1
-    need = sum(math.ceil((len(p) + max_new_tokens) / self.page_size) for p in prompts)
+    need = sum(math.ceil((len(p) + reserve) / self.page_size) for p in prompts)
     if need > num_pages - 1:
       raise OutOfPagesError(
           f'KV cache out of pages: the batch needs {need} pages of {self.page_size} tokens, '
@@ -197,28 +222,35 @@ class Engine:
 
   def prefill(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
               eos_ids: jax.Array, request_ids: Sequence[int] | None = None) -> DecodeState:
-    """Reserves pages, runs the prompts through the model, samples the first token."""
+    """Reserves pages, runs the prompts through the model (and drafter), samples the first token."""
     pages_per_seq, num_pages = self._plan(prompts, max_new_tokens)
-    batch = next_pow2(len(prompts))
+    batch, n = next_pow2(len(prompts)), len(prompts)
     allocator = PageAllocator(num_pages, self.page_size)
     for i, p in enumerate(prompts):
-      allocator.allocate(i, len(p) + max_new_tokens)
-    cache = KVCache.create(
-        self.model.kv_shapes, num_pages=num_pages, page_size=self.page_size,
-        block_tables=allocator.block_table(list(range(batch)), pages_per_seq))
-    lens = np.array([len(p) for p in prompts] + [0] * (batch - len(prompts)))
+      allocator.allocate(i, len(p) + max_new_tokens + self.lookahead)
+    block_tables = allocator.block_table(list(range(batch)), pages_per_seq)
+    cache = KVCache.create(self.model.kv_shapes, num_pages=num_pages, page_size=self.page_size,
+                           block_tables=block_tables)
+    capacity = pages_per_seq * self.page_size
+    buffer = np.zeros((batch, capacity), np.int32)
+    for i, p in enumerate(prompts):
+      buffer[i, :len(p)] = p
+    dstate, dparams = (), ()
+    if self.drafter:
+      dparams = self.drafter.params()
+      dstate = self.drafter.init_state(BatchPlan(batch, capacity, num_pages, self.page_size, block_tables))
+    lens = np.array([len(p) for p in prompts] + [0] * (batch - n))
     longest = int(lens.max())
-    chunk = min(self.prefill_chunk, next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= min(longest, self.prefill_chunk)))
-    chunk = max(chunk, 1)
+    chunk = min(self.prefill_chunk, next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= longest))
     last_hidden = jnp.zeros((batch, self.model.config.hidden_size), jnp.float32)
     for start in range(0, longest, chunk):
-      tokens = np.zeros((batch, chunk), np.int32)
+      tokens = np.ascontiguousarray(buffer[:, start:start + chunk])
+      tokens = np.pad(tokens, ((0, 0), (0, chunk - tokens.shape[1])))
       q_lens = np.clip(lens - start, 0, chunk).astype(np.int32)
-      for i, p in enumerate(prompts):
-        piece = p[start:start + chunk]
-        tokens[i, :len(piece)] = piece
       cache, last_hidden = self._call('prefill', _prefill_chunk, (cache, tokens, q_lens, last_hidden))
-    n = len(prompts)
+      if self.drafter:
+        dstate = self._call('drafter_prefill', _drafter_prefill, (dparams, dstate, tokens, q_lens),
+                            {'drafter': self.drafter}, donate=(2,))
     state = DecodeState(
         cache=cache,
         last_tokens=jnp.zeros((batch,), jnp.int32),
@@ -226,10 +258,26 @@ class Engine:
         num_generated=jnp.zeros((batch,), jnp.int32),
         max_new=jnp.asarray(np.where(np.arange(batch) < n, max_new_tokens, 0), jnp.int32),
         seq_ids=jnp.asarray(list(request_ids or range(n)) + list(range(n, batch)), jnp.int32),
+        tokens=jnp.asarray(buffer),
+        drafter=dstate,
     )
-    state = self._call('start', _start, (state, last_hidden, eos_ids), {'sampling': sampling})
-    self._compiled('decode', _decode_step, (state, eos_ids), {'sampling': sampling}, (1,))
-    return state
+    return self._call('start', _start, (state, last_hidden, eos_ids), {'sampling': sampling})
+
+  def _step_fn(self, k: int, sampling: SamplingParams, state, eos_ids):
+    """The compiled step for depth k (0 = autoregressive) and how to call it."""
+    if k == 0:
+      exe = self._compiled('decode', _decode_step, (state, eos_ids), {'sampling': sampling}, (1,))
+      return lambda state: exe(self.model.params, state, eos_ids)
+    dparams = self.drafter.params()
+    static = {'drafter': self.drafter, 'k': k, 'sampling': sampling}
+    exe = self._compiled('spec', spec_step, (dparams, state, eos_ids), static, (2,))
+    return lambda state: exe(self.model.params, dparams, state, eos_ids)
+
+  def check_depth(self, k: int) -> None:
+    if k and not self.drafter:
+      raise SpecjaxError(f'num_draft={k} needs a drafter (this engine has none)')
+    if self.drafter and not 1 <= k <= self.max_draft:
+      raise SpecjaxError(f'draft depth must be in 1..{self.max_draft} for {self.drafter.name}, got {k}')
 
   def generate(
       self,
@@ -239,9 +287,12 @@ class Engine:
       sampling: SamplingParams = SamplingParams(),
       stream: Callable[[int, str], None] | None = None,
       request_ids: Sequence[int] | None = None,
+      num_draft: int | None = None,
   ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates for a batch of prompts (texts or token ids).
 
+    `num_draft` is the draft depth K of each speculative step (default: the
+    engine's `max_draft` when it has a drafter; 0 forces plain decoding).
     `stream(row, text_delta)` is called as text becomes final for each row.
     Random draws are keyed by (seed, request id, position): request ids default
     to the row numbers, so a row's tokens do not depend on the other rows or on
@@ -250,42 +301,53 @@ class Engine:
     if max_new_tokens < 1:
       raise SpecjaxError(f'max_new_tokens must be at least 1, got {max_new_tokens}')
     sampling.validate()
+    k = self.max_draft if num_draft is None else num_draft
+    self.check_depth(k)
     ids = self.encode(prompts)
-    eos = self.model.generation.eos_token_ids or self.model.tokenizer.eos_ids
-    eos_ids = jnp.asarray(list(eos) or [-1], jnp.int32)
-    stats = GenerationStats()
-    compile_before = self.compile_s
-    n = len(ids)
-    decoders = [self.model.tokenizer.stream() for _ in range(n)]
-    generated: list[list[int]] = [[] for _ in range(n)]
-
-    def emit(tokens: np.ndarray, fresh: np.ndarray):
-      for i in range(n):
-        if fresh[i]:
-          generated[i].append(int(tokens[i]))
-          delta = decoders[i].step(int(tokens[i]))
-          if stream and delta:
-            stream(i, delta)
-
-    t0 = time.perf_counter()
     if request_ids is not None and len(request_ids) != len(ids):
       raise SpecjaxError(f'{len(request_ids)} request ids for {len(ids)} prompts')
+    eos = self.model.generation.eos_token_ids or self.model.tokenizer.eos_ids
+    eos_ids = jnp.asarray(list(eos) or [-1], jnp.int32)
+    n = len(ids)
+    stats = GenerationStats(rows=n)
+    compile_before = self.compile_s
+    decoders = [self.model.tokenizer.stream() for _ in range(n)]
+    generated: list[list[int]] = [[] for _ in range(n)]
+    spec = [SpecMetrics(k=k) for _ in range(n)] if k else None
+
+    def emit(row: int, tokens) -> None:
+      for token in tokens:
+        generated[row].append(int(token))
+        delta = decoders[row].step(int(token))
+        if stream and delta:
+          stream(row, delta)
+
+    t0 = time.perf_counter()
     state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids)
+    step = self._step_fn(k, sampling, state, eos_ids)  # compiled here, before the clock of decode
     tokens, active = jax.device_get((state.last_tokens, state.active))
     stats.prefill_s = time.perf_counter() - t0
-    emit(tokens, np.arange(len(tokens)) < n)
+    for i in range(n):
+      emit(i, tokens[i:i + 1])
     t0 = time.perf_counter()
     while active[:n].any():
-      state, out = self._call('decode', _decode_step, (state, eos_ids), {'sampling': sampling})
-      tokens, now_active = jax.device_get(out)
-      emit(tokens, active)
-      active = now_active
+      state, out = step(state)
+      out = jax.device_get(out)  # the one host transfer of the step
       stats.decode_steps += 1
+      if k == 0:
+        tokens, now_active = out
+        for i in np.flatnonzero(active[:n]):
+          emit(i, tokens[i:i + 1])
+      else:
+        tokens, emitted, accepted, drafted, now_active = out
+        for i in np.flatnonzero(active[:n]):
+          emit(i, tokens[i, :emitted[i]])
+          spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]))
+      active = now_active
     stats.decode_s = time.perf_counter() - t0
     stats.compile_s = self.compile_s - compile_before
-    stats.prefill_s -= stats.compile_s  # every executable is compiled ahead, inside prefill
+    stats.prefill_s -= stats.compile_s  # every executable is compiled ahead, before the decode clock
     stats.generated_tokens = sum(len(g) for g in generated)
-    stats.rows = n
     results = []
     eos_set = set(eos)
     for i in range(n):
@@ -294,5 +356,7 @@ class Engine:
         stream(i, tail)
       reason = 'eos' if generated[i] and generated[i][-1] in eos_set else 'length'
       text = self.model.tokenizer.decode(generated[i])
-      results.append(GenerationResult(text, generated[i], len(ids[i]), reason))
+      if spec:
+        spec[i].total_s = stats.decode_s
+      results.append(GenerationResult(text, generated[i], len(ids[i]), reason, spec[i] if spec else None))
     return results, stats

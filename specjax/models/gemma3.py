@@ -183,7 +183,26 @@ class Gemma3(nnx.Module):
       query_lens: jax.Array,  # [B] real tokens per row (rows are left-aligned)
   ) -> tuple[jax.Array, KVCache]:
     """Appends `tokens` to the cache; returns final-normed hidden `[B, T, D]`."""
+    hidden, cache, _ = self.forward(tokens, cache, query_lens)
+    return hidden, cache
+
+  def forward(
+      self,
+      tokens: jax.Array,  # [B, T]
+      cache: KVCache,
+      query_lens: jax.Array,  # [B]
+      *,
+      num_layers: int | None = None,
+      taps: tuple[int, ...] = (),
+  ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
+    """Runs the first `num_layers` layers (all by default), then the final norm.
+
+    Returns the final-normed hidden `[B, T, D]`, the cache (layers past
+    `num_layers` untouched) and the residual stream after each layer in `taps`
+    (each `[B, T, D]`), for drafters that read target hidden states.
+    """
     t = tokens.shape[1]
+    num_layers = self.cfg.num_layers if num_layers is None else num_layers
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
     valid = jnp.arange(t)[None, :] < query_lens[:, None]
     slots = token_slots(cache.block_tables, positions, valid, cache.page_size)
@@ -191,13 +210,14 @@ class Gemma3(nnx.Module):
     embed = self.embed_tokens[...]
     x = jnp.take(embed, tokens, axis=1)  # [D, B, T]
     x = jnp.moveaxis(x, 0, -1) * jnp.asarray(self.cfg.hidden_size**0.5, embed.dtype)
-    k_all, v_all = [], []
-    for layer, k_pages, v_pages in zip(self.layers, cache.k_pages, cache.v_pages):
-      x, k_pages, v_pages = layer(x, positions, k_pages, v_pages, slots, cache.block_tables, kv_lens, query_lens)
-      k_all.append(k_pages)
-      v_all.append(v_pages)
+    k_all, v_all, tapped = list(cache.k_pages), list(cache.v_pages), {}
+    for i in range(num_layers):
+      x, k_all[i], v_all[i] = self.layers[i](
+          x, positions, k_all[i], v_all[i], slots, cache.block_tables, kv_lens, query_lens)
+      if i in taps:
+        tapped[i] = x
     new_cache = KVCache(tuple(k_all), tuple(v_all), cache.block_tables, kv_lens)
-    return self.norm(x), new_cache
+    return self.norm(x), new_cache, tuple(tapped[i] for i in taps)
 
   def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
     head = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]

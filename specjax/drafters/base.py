@@ -1,0 +1,81 @@
+"""The drafter interface every family implements.
+
+A drafter is a static, hashable description (it is a static argument of the
+jitted step); its weights and state are pytrees passed in explicitly:
+
+  init_state(plan)                          -> state        (host, once per batch)
+  prefill(target, params, state, tokens, query_lens) -> state   (jitted, prompt chunks)
+  propose(target, params, state, cache, ctx, k, sampling)
+      -> Proposal(drafts [B, K], draft_lens [B], q [B, K, V] | None, state, cache)
+  commit(params, state, ctx, n_emitted, taps) -> state
+
+`target` is the merged target module (layer-skip drafts with its first layers;
+others ignore it). `cache` is the target's KV cache: a drafter may write draft
+positions into it (the verify pass overwrites them). `taps` are the target
+hidden states after the layers in `drafter.taps`, from the verify pass, for
+drafters conditioned on them (MTP heads, EAGLE, DFlash).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from specjax.cache.paged import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftContext:
+  tokens: jax.Array  # [B, C] every token of each row (prompt + generated)
+  lengths: jax.Array  # [B] position of each row's last token (= target cache length)
+  last_tokens: jax.Array  # [B]
+  active: jax.Array  # [B] bool
+  seq_ids: jax.Array  # [B]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Proposal:
+  drafts: jax.Array  # [B, K] int32
+  draft_lens: jax.Array  # [B] valid drafts per row
+  q: jax.Array | None  # [B, K, V] the distributions drafts were drawn from, or None
+  state: Any
+  cache: KVCache  # the target cache, possibly with draft positions written
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  """What a drafter needs to size its state for one batch."""
+  batch: int
+  capacity: int  # tokens per row (block table width x page size)
+  num_pages: int
+  page_size: int
+  block_tables: Any  # np.ndarray [B, pages_per_seq]
+
+
+class Drafter:
+  """Base class: no state, nothing to prefill or commit."""
+
+  name: str = 'drafter'
+  taps: tuple[int, ...] = ()
+  provides_q: bool = False  # True when propose returns q at temperature > 0
+  max_depth: int = 16
+
+  def params(self) -> Any:
+    """The drafter's weights pytree (passed to every call)."""
+    return ()
+
+  def init_state(self, plan: BatchPlan) -> Any:
+    return ()
+
+  def prefill(self, target, params, state, tokens, query_lens):
+    return state
+
+  def propose(self, target, params, state, cache: KVCache, ctx: DraftContext, k: int, sampling) -> Proposal:
+    raise NotImplementedError
+
+  def commit(self, params, state, ctx: DraftContext, n_emitted: jax.Array, taps: tuple[jax.Array, ...]):
+    return state

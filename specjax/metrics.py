@@ -1,0 +1,94 @@
+"""Per-request and aggregate speculative metrics.
+
+tau (mean acceptance length) = emitted tokens / target steps, counting the
+bonus / correction token (1.0 for plain decoding). Acceptance rate = accepted /
+drafted. Per draft position i: unconditional acceptance = P(draft i accepted)
+per step; conditional = P(draft i accepted | draft i - 1 accepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class SpecMetrics:
+  k: int = 0
+  target_steps: int = 0
+  drafted: int = 0
+  accepted: int = 0
+  emitted: int = 0
+  accepted_at: np.ndarray = None  # [K] steps whose draft i was accepted
+  drafted_at: np.ndarray = None  # [K] steps that had a valid draft i
+  accepted_per_step: list[int] = dataclasses.field(default_factory=list)
+  draft_s: float = 0.0
+  verify_s: float = 0.0
+  total_s: float = 0.0
+
+  def __post_init__(self):
+    if self.accepted_at is None:
+      self.accepted_at = np.zeros(self.k, np.int64)
+      self.drafted_at = np.zeros(self.k, np.int64)
+
+  def record(self, accepted: int, drafted: int, emitted: int) -> None:
+    self.target_steps += 1
+    self.accepted += accepted
+    self.drafted += drafted
+    self.emitted += emitted
+    self.accepted_at[:accepted] += 1
+    self.drafted_at[:drafted] += 1
+    self.accepted_per_step.append(accepted)
+
+  def merge(self, other: SpecMetrics) -> SpecMetrics:
+    out = SpecMetrics(k=max(self.k, other.k))
+    for m in (self, other):
+      out.target_steps += m.target_steps
+      out.drafted += m.drafted
+      out.accepted += m.accepted
+      out.emitted += m.emitted
+      out.accepted_at[:m.k] += m.accepted_at
+      out.drafted_at[:m.k] += m.drafted_at
+      out.accepted_per_step += m.accepted_per_step
+      out.draft_s += m.draft_s
+      out.verify_s += m.verify_s
+      out.total_s += m.total_s
+    return out
+
+  @property
+  def tau(self) -> float:
+    return self.emitted / self.target_steps if self.target_steps else 0.0
+
+  @property
+  def acceptance_rate(self) -> float:
+    return self.accepted / self.drafted if self.drafted else 0.0
+
+  @property
+  def position_acceptance(self) -> list[float]:
+    """Unconditional: P(draft i accepted) per step."""
+    n = max(self.target_steps, 1)
+    return [float(a) / n for a in self.accepted_at]
+
+  @property
+  def conditional_acceptance(self) -> list[float]:
+    """P(draft i accepted | drafts before it accepted and draft i exists)."""
+    reached = np.concatenate([[self.target_steps], self.accepted_at[:-1]]) if self.k else np.zeros(0)
+    reached = np.minimum(reached, self.drafted_at)
+    return [float(a) / r if r else 0.0 for a, r in zip(self.accepted_at, reached)]
+
+  def to_json(self) -> dict:
+    return {
+        'k': self.k,
+        'target_steps': self.target_steps,
+        'drafted': self.drafted,
+        'accepted': self.accepted,
+        'emitted': self.emitted,
+        'tau': self.tau,
+        'acceptance_rate': self.acceptance_rate,
+        'position_acceptance': self.position_acceptance,
+        'conditional_acceptance': self.conditional_acceptance,
+        'draft_s': self.draft_s,
+        'verify_s': self.verify_s,
+        'total_s': self.total_s,
+    }
