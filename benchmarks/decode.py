@@ -60,6 +60,7 @@ def hf_worker(spec_path: str, out_path: str):
   import torch
   import transformers
 
+  transformers.utils.logging.disable_progress_bar()
   spec = json.loads(pathlib.Path(spec_path).read_text())
   torch.set_num_threads(spec['threads'])
   gguf = pathlib.Path(spec['gguf'])
@@ -80,18 +81,16 @@ def hf_worker(spec_path: str, out_path: str):
     return out, out.sequences[0, len(ids):].tolist(), seconds
 
   n = spec['max_new_tokens']
-  first = next(iter(spec['prompts'].values()))
-  generate(first, 8)  # warm-up
   results = {}
   for name, ids in spec['prompts'].items():
+    # Warm-up, untimed, keeping each step's top-1 minus top-2 logit.
+    scored, checked, _ = generate(ids, n, scores=True)
+    margins = [float(v[0] - v[1]) for v in (s[0].topk(2).values for s in scored.scores)]
     e2e_s, first_s, new_ids = [], [], None
     for _ in range(spec['repeats']):
       _, new_ids, seconds = generate(ids, n)
       e2e_s.append(seconds)
       first_s.append(generate(ids, 1)[2])
-    scored, checked, _ = generate(ids, n, scores=True)  # untimed: top-1 minus top-2 logit per step
-    top2 = [s[0].topk(2).values for s in scored.scores]
-    margins = [float(v[0] - v[1]) for v in top2]
     results[name] = dict(new_ids=new_ids, e2e_s=e2e_s, prefill_plus_one_s=first_s, margins=margins,
                          deterministic=checked == new_ids)
     log(f'transformers {name}: {len(new_ids) / min(e2e_s):.1f} tok/s e2e')

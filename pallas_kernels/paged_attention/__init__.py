@@ -75,14 +75,14 @@ def select_impl(impl: str, head_dim: int, page_size: int,
   reason = triton_kernel.unsupported_reason(head_dim, page_size)
   if impl == "auto":
     return "xla" if reason else "pallas"
-  if reason:
-    raise ValueError(f"impl='pallas': the Triton kernel can't take these "
-                     f"shapes: {reason}; use impl='xla' or 'auto'")
   if not (on_gpu or interpret):
     raise ValueError(
         f"impl='pallas' needs a GPU (the default backend is "
         f"{jax.default_backend()!r}); pass interpret=True to run the kernel "
         f"in Pallas interpret mode, or use impl='xla' or 'auto'")
+  if reason:
+    raise ValueError(f"impl='pallas': the Triton kernel can't take these "
+                     f"shapes: {reason}; use impl='xla' or 'auto'")
   return "pallas"
 
 

@@ -1,0 +1,186 @@
+"""Speculative decoding on the tiny Gemma 3: greedy equality, rollback, bad input."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import SpecjaxError
+from specjax.cache.paged import KVCache, PageAllocator
+from specjax.drafters import make_drafter
+from conftest import TINY, TINY_SHARDED
+
+PROMPTS = [
+    'def add(a, b):\n    return a + b\n\ndef add(a, b):\n',  # repetitive: n-gram drafts get accepted
+    'The cat sat on the mat. The cat',
+    'Hello',
+]
+
+
+@pytest.fixture(scope='module')
+def draft_model():
+  """The target with perturbed weights: a draft model that agrees often, not always."""
+  from specjax.loading import build_model
+  ckpt = specjax.load_checkpoint(TINY)
+  rng = np.random.default_rng(0)
+  for name, w in ckpt.tensors.items():
+    ckpt.tensors[name] = w + rng.normal(0, 0.03, w.shape).astype(np.float32)
+  return build_model(ckpt)
+
+
+@pytest.fixture(scope='module')
+def greedy_reference(tiny_engine):
+  results, _ = tiny_engine.generate(PROMPTS, max_new_tokens=40)
+  return [r.tokens for r in results]
+
+
+def make(kind, tiny_model, draft_model):
+  return make_drafter(kind, tiny_model, draft_model=draft_model, layers=2)
+
+
+@pytest.mark.parametrize('kind', ['ngram', 'layer-skip', 'draft-model'])
+def test_greedy_equals_autoregressive_every_depth(kind, tiny_model, draft_model, greedy_reference):
+  # page_size 4: prompts and drafts cross page boundaries; the ragged batch is padded to 4 rows.
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make(kind, tiny_model, draft_model))
+  taus = []
+  for k in range(1, 9):
+    results, _ = engine.generate(PROMPTS, max_new_tokens=40, num_draft=k)
+    assert [r.tokens for r in results] == greedy_reference, (kind, k)
+    taus.append(max(r.spec.tau for r in results))
+    for r in results:
+      assert r.spec.emitted == len(r.tokens) - 1  # the first token comes from prefill
+      assert 0 <= r.spec.accepted <= r.spec.drafted
+  assert max(taus) > 1.2, taus  # drafts were really accepted somewhere
+
+
+def test_self_drafting_reproduces_sampling(tiny_model):
+  """Coupled drafting: a draft model equal to the target emits exactly what plain sampling emits."""
+  params = specjax.SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+  plain = specjax.Engine(tiny_model, page_size=4).generate(PROMPTS, max_new_tokens=24, sampling=params)[0]
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make('draft-model', tiny_model, tiny_model))
+  spec = engine.generate(PROMPTS, max_new_tokens=24, sampling=params, num_draft=4)[0]
+  assert [r.tokens for r in spec] == [r.tokens for r in plain]
+  assert all(r.spec.acceptance_rate == 1.0 for r in spec)
+
+
+def test_ngram_sampling_is_token_identical(tiny_model):
+  """Sample-and-match uses the plain sampler's keys: same seed, same tokens."""
+  params = specjax.SamplingParams(temperature=1.0, top_k=20, seed=5)
+  plain = specjax.Engine(tiny_model, page_size=4).generate(PROMPTS, max_new_tokens=30, sampling=params)[0]
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make('ngram', tiny_model, None))
+  spec = engine.generate(PROMPTS, max_new_tokens=30, sampling=params, num_draft=3)[0]
+  assert [r.tokens for r in spec] == [r.tokens for r in plain]
+
+
+def committed_kv(cache: KVCache, row: int, length: int, layer: int):
+  """K and V of the first `length` positions of a row, `[Hkv, length, D]` each."""
+  page = cache.page_size
+  pages = np.asarray(cache.block_tables[row])
+  k = np.asarray(cache.k_pages[layer])[:, pages].reshape(cache.k_pages[layer].shape[0], -1, cache.k_pages[layer].shape[-1])
+  v = np.asarray(cache.v_pages[layer])[:, pages].reshape(k.shape)
+  return k[:, :length], v[:, :length]
+
+
+def fresh_prefill(model, tokens, page_size=4):
+  """A from-scratch cache of `tokens` (one row)."""
+  pages = -(-len(tokens) // page_size) + 1
+  alloc = PageAllocator(pages + 1, page_size)
+  alloc.allocate(0, len(tokens))
+  cache = KVCache.create(model.kv_shapes, num_pages=pages + 1, page_size=page_size,
+                         block_tables=alloc.block_table([0], pages))
+  _, cache = model.module()(jnp.asarray([tokens]), cache, jnp.asarray([len(tokens)], jnp.int32))
+  return cache
+
+
+@pytest.mark.parametrize('kind', ['layer-skip', 'draft-model'])
+def test_rollback_equals_recompute(kind, tiny_model, draft_model):
+  """After partial acceptance, target and drafter caches equal a fresh prefill of the accepted text."""
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make(kind, tiny_model, draft_model))
+  params = specjax.SamplingParams(temperature=1.0, seed=3)
+  eos = jnp.asarray([-1], jnp.int32)
+  ids = engine.encode(PROMPTS[:2])
+  state = engine.prefill(ids, 40, params, eos)
+  step = engine._step_fn(4, params, state, eos)
+  partial = 0
+  for _ in range(6):
+    state, (tokens, emitted, accepted, drafted, active) = step(state)
+    partial += int(np.sum((np.asarray(accepted) < np.asarray(drafted)) & (np.asarray(emitted) > 0)))
+  assert partial > 0, 'no partial acceptance happened; the test would prove nothing'
+  lengths = np.asarray(state.cache.lengths)
+  buffer = np.asarray(state.tokens)
+  for row in range(2):
+    committed = buffer[row, :lengths[row]].tolist()  # every token but the newest
+    fresh = fresh_prefill(tiny_model, committed)
+    for layer in range(tiny_model.config.num_layers):
+      got, want = committed_kv(state.cache, row, lengths[row], layer), committed_kv(fresh, 0, lengths[row], layer)
+      np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+      np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+    if kind == 'draft-model':
+      dcache = state.drafter
+      dlen = int(dcache.lengths[row])
+      assert dlen in (lengths[row], lengths[row] - 1)
+      dfresh = fresh_prefill(draft_model, committed[:dlen])
+      for layer in range(draft_model.config.num_layers):
+        got, want = committed_kv(dcache, row, dlen, layer), committed_kv(dfresh, 0, dlen, layer)
+        np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+        np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+
+
+def modified_checkpoint(tmp_path, edit_config=None, edit_tokenizer=None, vocab=None):
+  path = tmp_path / 'draft'
+  shutil.copytree(TINY_SHARDED, path)
+  if vocab:
+    from safetensors.numpy import load_file, save_file
+    for f in os.listdir(path):
+      if f.endswith('.safetensors'):
+        t = load_file(path / f)
+        if 'model.embed_tokens.weight' in t:
+          t['model.embed_tokens.weight'] = t['model.embed_tokens.weight'][:vocab]
+        save_file(t, path / f)
+    cfg = json.load(open(path / 'config.json'))
+    cfg['vocab_size'] = vocab
+    json.dump(cfg, open(path / 'config.json', 'w'))
+  if edit_tokenizer:
+    tok = json.load(open(path / 'tokenizer.json'))
+    edit_tokenizer(tok)
+    json.dump(tok, open(path / 'tokenizer.json', 'w'))
+  return str(path)
+
+
+def test_mismatched_vocabulary_is_refused(tmp_path, tiny_model):
+  other = specjax.load(modified_checkpoint(tmp_path, vocab=256))
+  with pytest.raises(SpecjaxError, match='vocabulary'):
+    make_drafter('draft-model', tiny_model, draft_model=other)
+
+
+def test_mismatched_tokenizer_is_refused(tmp_path, tiny_model):
+  def swap_two_tokens(tok):
+    vocab = tok['model']['vocab']
+    a, b = sorted(vocab, key=vocab.get)[200:202]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+  other = specjax.load(modified_checkpoint(tmp_path, edit_tokenizer=swap_two_tokens))
+  with pytest.raises(SpecjaxError, match='tokenizer'):
+    make_drafter('draft-model', tiny_model, draft_model=other)
+
+
+@pytest.mark.parametrize('k', [0, -1, 9])
+def test_bad_depth(tiny_model, k):
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make('ngram', tiny_model, None), max_draft=8)
+  with pytest.raises(SpecjaxError, match='draft depth'):
+    engine.generate(['Hello'], max_new_tokens=4, num_draft=k)
+
+
+def test_drafters_the_target_cannot_serve(tiny_model):
+  with pytest.raises(SpecjaxError, match='layer-skip needs'):
+    make_drafter('layer-skip', tiny_model, layers=6)
+  with pytest.raises(SpecjaxError, match='needs --draft-model'):
+    make_drafter('draft-model', tiny_model)
+  with pytest.raises(SpecjaxError, match='unknown drafter'):
+    make_drafter('medusa', tiny_model)
+  with pytest.raises(SpecjaxError, match='needs a drafter'):
+    specjax.Engine(tiny_model, page_size=4).generate(['Hi'], max_new_tokens=2, num_draft=2)
