@@ -5,6 +5,9 @@
 mode on CPU (jax tests/pallas/gpu_paged_attention_test.py pattern).
 """
 
+import importlib.util
+import json
+import pathlib
 import warnings
 
 import jax
@@ -118,7 +121,7 @@ class TestPagedAttentionKernel:
                      pages_per_seq=12, lengths=[n_q, 29, 47],
                      query_lens=[n_q, n_q, max(n_q - 3, 1)])
     self.check(case, sliding_window=sliding_window,
-               block_sizes=BlockSizes(16, 2, 3))
+               block_sizes=BlockSizes(16, 4, 3))
 
   @pytest.mark.parametrize("sliding_window", [None, 4])
   def test_softcap(self, sliding_window):
@@ -151,16 +154,16 @@ class TestPagedAttentionKernel:
     self.check(case, mask=random_tree_mask(rng, 2, 40),
                block_sizes=BlockSizes(32, 2, 2))
 
-  @pytest.mark.parametrize("block_sizes", [
-      BlockSizes(16, 1, 1),  # One page per step, one split.
-      BlockSizes(16, 2, 7),  # More splits than some sequences have steps.
-      BlockSizes(32, 4, 2),  # Rows 72 -> 3 row blocks, the last one partial.
+  @pytest.mark.parametrize("page_size,block_sizes", [
+      (16, BlockSizes(16, 1, 1)),  # One page per step, one split.
+      (4, BlockSizes(16, 4, 7)),  # More splits than sequences have steps.
+      (4, BlockSizes(32, 4, 2)),  # Rows 72 -> 3 row blocks, the last partial.
   ])
-  def test_block_sizes(self, block_sizes):
+  def test_block_sizes(self, page_size, block_sizes):
     rng = np.random.default_rng(block_sizes.k_splits)
     case = make_case(rng, b=3, n_q=9, n_heads=8, n_kv_heads=1,
-                     pages_per_seq=12, lengths=[9, 26, 48],
-                     query_lens=[9, 4, 9])
+                     page_size=page_size, pages_per_seq=48 // page_size,
+                     lengths=[9, 26, 48], query_lens=[9, 4, 9])
     self.check(case, block_sizes=block_sizes)
 
   def test_bfloat16(self):
@@ -208,6 +211,16 @@ def test_auto_is_xla_off_gpu():
   assert select_impl("auto", 16, 4) == "xla"
   assert select_impl("auto", 16, 4, interpret=True) == "xla"
   assert select_impl("pallas", 16, 4, interpret=True) == "pallas"
+
+
+def test_auto_is_pallas_on_gpu(monkeypatch):
+  from pallas_kernels.paged_attention import select_impl
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert select_impl("auto", 256, 16) == "pallas"
+  assert select_impl("auto", 80, 16) == "xla"  # Not a Triton tile.
+  assert select_impl("xla", 256, 16) == "xla"
+  with pytest.raises(ValueError, match="head dim must be a power of two"):
+    select_impl("pallas", 80, 16)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -279,3 +292,30 @@ def test_block_size_table(n_rows, head_dim, page_size, pages_per_seq, batch):
   steps = -(-pages_per_seq // sizes.pages_per_compute_block)
   assert 1 <= sizes.k_splits <= max(1, steps // 2)
   assert sizes.k_splits <= block_sizes_lib.MAX_SPLITS
+
+
+def test_benchmark_script_runs(capsys, tmp_path):
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / "paged_attention.py"
+  spec = importlib.util.spec_from_file_location("paged_attention_bench", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out_json = tmp_path / "out.json"
+  bench.main(["--batch", "1", "--context", "20", "--queries", "2",
+              "--json", str(out_json)])
+  printed = capsys.readouterr().out
+  assert "largest absolute difference" in printed
+  if not ON_GPU:
+    assert "GPU figures pending" in printed
+  (row,) = json.loads(out_json.read_text())["rows"]
+  assert row["kernel_max_abs_err"] < 1e-4 and row["jax1q_max_abs_err"] < 1e-4
+
+
+def test_bad_block_sizes_raise():
+  with pytest.raises(ValueError, match="block_rows must be a power of two"):
+    BlockSizes(24, 1, 1)
+  with pytest.raises(ValueError, match="pages_per_compute_block must be"):
+    BlockSizes(16, 3, 1)
+  args = small_args()
+  with pytest.raises(ValueError, match="fewer than 16 keys"):
+    triton_kernel.paged_attention(*args, block_sizes=BlockSizes(16, 2, 1),
+                                  interpret=True)

@@ -13,7 +13,7 @@ import specjax
 from specjax import SpecjaxError
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters import make_drafter
-from conftest import TINY, TINY_SHARDED
+from conftest import TINY, TINY_SHARDED, perturbed_target
 
 PROMPTS = [
     'def add(a, b):\n    return a + b\n\ndef add(a, b):\n',  # repetitive: n-gram drafts get accepted
@@ -24,13 +24,8 @@ PROMPTS = [
 
 @pytest.fixture(scope='module')
 def draft_model():
-  """The target with perturbed weights: a draft model that agrees often, not always."""
-  from specjax.loading import build_model
-  ckpt = specjax.load_checkpoint(TINY)
-  rng = np.random.default_rng(0)
-  for name, w in ckpt.tensors.items():
-    ckpt.tensors[name] = w + rng.normal(0, 0.03, w.shape).astype(np.float32)
-  return build_model(ckpt)
+  """A draft model that agrees with the target often, not always."""
+  return perturbed_target(0.03)
 
 
 @pytest.fixture(scope='module')
