@@ -75,19 +75,23 @@ def cmd_generate(args) -> int:
   import specjax
   model = specjax.load(args.model, attention_impl=args.attention_impl)
   engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len)
+  return _generate_and_print(args, model, engine, prompts, sampling, num_draft=0)
+
+
+def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) -> int:
   stream = None
-  if not args.json:
-    if len(prompts) == 1:
-      sys.stdout.write(prompts[0])
-      stream = lambda row, text: (sys.stdout.write(text), sys.stdout.flush())
-  results, stats = engine.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, stream=stream)
+  if not args.json and len(prompts) == 1:
+    sys.stdout.write(prompts[0])
+    stream = lambda row, text: (sys.stdout.write(text), sys.stdout.flush())
+  results, stats = engine.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, stream=stream,
+                                   num_draft=num_draft)
   if args.json:
-    rows = [{
-        'text': r.text,
-        'tokens': r.tokens,
-        'prompt_tokens': r.prompt_tokens,
-        'finish_reason': r.finish_reason,
-    } for r in results]
+    rows = []
+    for r in results:
+      row = {'text': r.text, 'tokens': r.tokens, 'prompt_tokens': r.prompt_tokens, 'finish_reason': r.finish_reason}
+      if r.spec is not None:
+        row['spec'] = {'drafter': engine.drafter.name, **r.spec.to_json()}
+      rows.append(row)
     timing = {
         'tokens_per_s': stats.tokens_per_s,
         'decode_tokens_per_s': stats.decode_tokens_per_s,
@@ -100,11 +104,87 @@ def cmd_generate(args) -> int:
     print(json.dumps(out, ensure_ascii=False))
   elif len(prompts) == 1:
     sys.stdout.write('\n')
-    print(f'[{stats.generated_tokens} tokens, {stats.tokens_per_s:.1f} tok/s]', file=sys.stderr)
+    extra = f', tau {results[0].spec.tau:.2f}' if results[0].spec else ''
+    print(f'[{stats.generated_tokens} tokens, {stats.tokens_per_s:.1f} tok/s{extra}]', file=sys.stderr)
   else:
     for prompt, r in zip(prompts, results):
       print(prompt + r.text)
       print('---')
+  return 0
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+  from specjax.drafters import DRAFTERS
+  p.add_argument('--drafter', choices=DRAFTERS, default=None,
+                 help='drafter family (default: draft-model with --draft-model, else ngram)')
+  p.add_argument('--draft-model', '--mtp-model', dest='draft_model', default=None,
+                 help='draft model for --drafter draft-model (same forms as -m); --mtp-model is the mistral.rs spelling')
+  p.add_argument('--n-predict', '--mtp-n-predict', dest='n_predict', type=int, default=None,
+                 help='draft depth K per step (default 4); --mtp-n-predict is the mistral.rs spelling')
+  p.add_argument('--max-draft', type=int, default=8, help='largest K the engine reserves lookahead for')
+  p.add_argument('--ngram-min', type=int, default=1)
+  p.add_argument('--ngram-max', type=int, default=3)
+  p.add_argument('--layers', type=int, default=None, help='layer-skip: target layers used to draft')
+
+
+def load_engine(args, with_drafter: bool):
+  import specjax
+  from specjax.drafters import make_drafter
+  kind = args.drafter or ('draft-model' if args.draft_model else 'ngram') if with_drafter else None
+  if with_drafter and args.draft_model and kind != 'draft-model':
+    raise SpecjaxError(f'--draft-model is only used with --drafter draft-model, not {kind}')
+  if with_drafter and kind == 'draft-model' and not args.draft_model:
+    raise SpecjaxError('--drafter draft-model needs --draft-model PATH')
+  model = specjax.load(args.model, attention_impl=args.attention_impl)
+  drafter = None
+  if with_drafter:
+    draft = specjax.load(args.draft_model, attention_impl=args.attention_impl) if args.draft_model else None
+    drafter = make_drafter(kind, model, draft_model=draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                           layers=args.layers)
+  engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages,
+                          max_seq_len=args.max_seq_len, drafter=drafter,
+                          max_draft=max(args.max_draft, args.n_predict or 0) if with_drafter else 8)
+  return model, engine
+
+
+def cmd_run(args) -> int:
+  prompts = read_prompts(args)
+  sampling = sampling_from_args(args)
+  k = 4 if args.n_predict is None else args.n_predict
+  if k < 1:
+    raise SpecjaxError(f'--n-predict must be at least 1, got {k}')
+  if args.max_new_tokens < 1:
+    raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
+  model, engine = load_engine(args, with_drafter=True)
+  return _generate_and_print(args, model, engine, prompts, sampling, num_draft=k)
+
+
+def cmd_bench(args) -> int:
+  from specjax import bench
+  sampling = sampling_from_args(args)
+  depths = args.n_predict_list or ([args.n_predict] if args.n_predict else [2, 4, 6, 8])
+  args.max_draft = max(args.max_draft, *depths)
+  prompts = bench.load_prompts(args.prompts, args.categories, args.limit)
+  if not prompts:
+    raise SpecjaxError(f'no prompts selected from {args.prompts}')
+  model, engine = load_engine(args, with_drafter=True)
+  for k in depths:
+    engine.check_depth(k)
+
+  def progress(n, total, prompt, k, stats):
+    print(f'[{n + 1}/{total}] {prompt.category} #{prompt.id} K={k}: {stats.decode_tokens_per_s:.1f} tok/s',
+          file=sys.stderr, flush=True)
+
+  report = bench.run_bench(engine, prompts, depths, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                           progress=None if args.quiet else progress)
+  rows = bench.table(report, engine.drafter.name)
+  if args.json:
+    print(json.dumps({'rows': rows, 'calibration': report['calibration'],
+                      'greedy_outputs_equal': report['outputs_equal'], 'model': model.source}))
+  else:
+    print(bench.format_table(rows))
+    if sampling.is_greedy:
+      print(f"\nspeculative outputs equal autoregressive: {report['outputs_equal']}")
   return 0
 
 
@@ -115,6 +195,29 @@ def build_parser() -> argparse.ArgumentParser:
   _add_model_args(gen)
   _add_generation_args(gen)
   gen.set_defaults(func=cmd_generate)
+  run = sub.add_parser('run', help='speculative generation')
+  _add_model_args(run)
+  _add_generation_args(run)
+  _add_drafter_args(run)
+  run.set_defaults(func=cmd_run)
+  bench = sub.add_parser('bench', help='autoregressive vs speculative on a prompt set, per category')
+  _add_model_args(bench)
+  _add_drafter_args(bench)
+  bench.add_argument('--prompts', default=os.path.join('..', 'shared', 'data', 'spec_bench', 'question.jsonl'),
+                     help='Spec-Bench question.jsonl (or any jsonl with "prompt"/"turns" and "category")')
+  bench.add_argument('--categories', nargs='+', default=None)
+  bench.add_argument('--limit', type=int, default=None, help='prompts per category')
+  bench.add_argument('--depths', dest='n_predict_list', type=int, nargs='+', default=None,
+                     help='draft depths to compare (default 2 4 6 8, or --n-predict)')
+  bench.add_argument('--max-new-tokens', type=int, default=64)
+  bench.add_argument('--temperature', type=float, default=0.0)
+  bench.add_argument('--top-k', type=int, default=0)
+  bench.add_argument('--top-p', type=float, default=1.0)
+  bench.add_argument('--min-p', type=float, default=0.0)
+  bench.add_argument('--seed', type=int, default=0)
+  bench.add_argument('--json', action='store_true')
+  bench.add_argument('--quiet', action='store_true')
+  bench.set_defaults(func=cmd_bench)
   return parser
 
 

@@ -274,9 +274,12 @@ class Engine:
     return lambda state: exe(self.model.params, dparams, state, eos_ids)
 
   def check_depth(self, k: int) -> None:
+    """K = 0 is plain decoding; otherwise 1 <= K <= max_draft."""
+    if k < 0:
+      raise SpecjaxError(f'draft depth must be in 1..{self.max_draft}, got {k}')
     if k and not self.drafter:
       raise SpecjaxError(f'num_draft={k} needs a drafter (this engine has none)')
-    if self.drafter and not 1 <= k <= self.max_draft:
+    if self.drafter and k and not 1 <= k <= self.max_draft:
       raise SpecjaxError(f'draft depth must be in 1..{self.max_draft} for {self.drafter.name}, got {k}')
 
   def generate(

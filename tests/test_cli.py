@@ -58,3 +58,49 @@ def test_entry_point_exit_code():
                         capture_output=True, text=True)
   assert proc.returncode == 2
   assert proc.stderr.strip().startswith('error:') and 'Traceback' not in proc.stderr
+
+
+def test_run_json_has_spec_metrics(capsys):
+  code, out, err = run_cli(capsys, 'run', '-m', TINY, '--prompt', 'The cat sat on the mat. The cat',
+                           '--drafter', 'ngram', '--n-predict', '3', '--max-new-tokens', '12', '--page-size', '4',
+                           '--json')
+  assert code == 0, err
+  row = json.loads(out)
+  spec = row['spec']
+  for key in ('target_steps', 'drafted', 'accepted', 'tau', 'acceptance_rate', 'position_acceptance',
+              'conditional_acceptance', 'total_s'):
+    assert key in spec
+  assert len(row['tokens']) == 12 and spec['emitted'] == 11
+
+
+def test_mistral_rs_aliases(capsys):
+  code, out, err = run_cli(capsys, 'run', '-m', TINY, '--prompt', 'Hello', '--mtp-model', TINY,
+                           '--mtp-n-predict', '2', '--max-new-tokens', '6', '--page-size', '4', '--json')
+  assert code == 0, err
+  spec = json.loads(out)['spec']
+  assert spec['drafter'] == 'draft-model' and spec['k'] == 2
+  assert spec['acceptance_rate'] == 1.0  # the target drafting for itself
+
+
+def test_bench_table(capsys, tmp_path):
+  prompts = tmp_path / 'q.jsonl'
+  prompts.write_text('\n'.join(json.dumps({'question_id': i, 'category': c, 'turns': [t]}) for i, (c, t) in enumerate(
+      [('copy', 'a b c a b c a b'), ('copy', 'x y x y x'), ('chat', 'Hello there')])))
+  code, out, err = run_cli(capsys, 'bench', '-m', TINY, '--drafter', 'ngram', '--prompts', str(prompts),
+                           '--depths', '1', '2', '--max-new-tokens', '8', '--page-size', '4', '--quiet')
+  assert code == 0, err
+  assert '| copy | ngram | 2 |' in out and '| all | ngram | 1 |' in out
+  assert 'speculative outputs equal autoregressive: True' in out
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['run', '-m', TINY, '--prompt', 'x', '--n-predict', '0'], 'n-predict'),
+    (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'draft-model'], 'needs --draft-model'),
+    (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'layer-skip', '--layers', '9'], 'layer-skip needs'),
+    (['run', '-m', TINY, '--prompt', 'x', '--draft-model', '/no/such/model'], 'not found'),
+    (['bench', '-m', TINY, '--prompts', '/no/file.jsonl'], 'does not exist'),
+    (['bench', '-m', TINY, '--categories', 'nope', '--limit', '1'], 'unknown categories'),
+])
+def test_speculative_bad_input(capsys, argv, message):
+  code, out, err = run_cli(capsys, *argv)
+  assert code != 0 and err.startswith('error: ') and message in err and 'Traceback' not in err, err

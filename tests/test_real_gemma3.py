@@ -52,3 +52,16 @@ def test_cli_json_on_real_model():
   out = json.loads(proc.stdout)
   assert out['text'].startswith(' the capital of the country of France')
   assert out['prompt_tokens'] == 6 and len(out['tokens']) == 8
+
+
+@pytest.mark.parametrize('kind,k', [('ngram', 4), ('layer-skip', 3)])
+def test_speculative_greedy_equals_reference(real_engine, kind, k):
+  import specjax
+  from specjax.drafters import make_drafter
+  rows = REFERENCE['greedy'][:3]
+  drafter = make_drafter(kind, real_engine.model, layers=6)
+  engine = specjax.Engine(real_engine.model, drafter=drafter, max_draft=k)
+  results, _ = engine.generate([r['prompt'] for r in rows], max_new_tokens=32, num_draft=k)
+  for row, result in zip(rows, results):
+    assert result.tokens == row['new_ids'], (kind, row['prompt'])
+  assert sum(r.spec.accepted for r in results) > 0

@@ -1,0 +1,200 @@
+"""Spec-Bench style benchmark: autoregressive vs speculative on the same prompts.
+
+For each prompt the engine decodes autoregressively and then speculatively at
+each draft depth, batch 1, greedy by default. Per category the table reports
+tau, acceptance rate, decode tokens/s, the measured speedup over
+autoregressive, and the speedup predicted from the measured acceptance and the
+measured costs:
+
+  predicted = tau * T_decode / (T_draft(K) + T_verify(K))
+
+where T_decode is one autoregressive step, T_draft(K) the drafter's propose for
+K tokens and T_verify(K) the target pass over K + 1 tokens, each timed alone
+(`calibrate`). measured / predicted < 1 is the framework's own overhead.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.drafters.base import DraftContext
+from specjax.engine import Engine
+from specjax.errors import SpecjaxError
+from specjax.metrics import SpecMetrics
+from specjax.sampling import SamplingParams
+
+SPEC_BENCH = os.path.join('..', 'shared', 'data', 'spec_bench', 'question.jsonl')
+
+
+@dataclasses.dataclass
+class Prompt:
+  id: str
+  category: str
+  text: str
+
+
+def load_prompts(path: str, categories: list[str] | None = None, limit: int | None = None) -> list[Prompt]:
+  """Spec-Bench `question.jsonl` (first turn of each question), `limit` per category."""
+  if not os.path.isfile(path):
+    raise SpecjaxError(f'prompt file {path!r} does not exist')
+  rows = []
+  with open(path, encoding='utf-8') as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        raise SpecjaxError(f'{path}:{n} is not valid JSON') from None
+      text = row.get('prompt') or (row.get('turns') or [None])[0]
+      if not isinstance(text, str):
+        raise SpecjaxError(f'{path}:{n} has no "prompt" or "turns" text')
+      rows.append(Prompt(str(row.get('question_id', n)), row.get('category', 'all'), text))
+  known = sorted({r.category for r in rows})
+  if categories:
+    unknown = sorted(set(categories) - set(known))
+    if unknown:
+      raise SpecjaxError(f'unknown categories {unknown}; {path} has {known}')
+    rows = [r for r in rows if r.category in categories]
+  if limit is not None:
+    if limit < 1:
+      raise SpecjaxError(f'--limit must be at least 1, got {limit}')
+    seen = collections.Counter()
+    kept = []
+    for r in rows:
+      if seen[r.category] < limit:
+        kept.append(r)
+        seen[r.category] += 1
+    rows = kept
+  return rows
+
+
+def _time(fn, *args, repeats: int = 5) -> float:
+  jax.block_until_ready(fn(*args))
+  best = float('inf')
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParams = SamplingParams()) -> dict:
+  """Times one autoregressive step, the drafter's propose for k, and the k + 1 verify pass."""
+  eos = jnp.asarray([-1], jnp.int32)
+  state = engine.prefill([prompt], 64, sampling, eos)
+  graphdef, params, drafter = engine.model.graphdef, engine.model.params, engine.drafter
+  dparams = drafter.params()
+
+  @jax.jit
+  def decode(params, state):
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
+    return jnp.argmax(model.logits(hidden[:, 0]), -1)
+
+  @jax.jit
+  def propose(params, dparams, state):
+    ctx = DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
+    return drafter.propose(nnx.merge(graphdef, params), dparams, state.drafter, state.cache, ctx, k, sampling).drafts
+
+  @jax.jit
+  def verify(params, state):
+    model = nnx.merge(graphdef, params)
+    block = jnp.broadcast_to(state.last_tokens[:, None], (state.last_tokens.shape[0], k + 1))
+    hidden, _, _ = model.forward(block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32))
+    return jnp.argmax(model.logits(hidden), -1)
+
+  return {
+      'decode_s': _time(decode, params, state),
+      'draft_s': _time(propose, params, dparams, state),
+      'verify_s': _time(verify, params, state),
+  }
+
+
+@dataclasses.dataclass
+class Cell:
+  category: str
+  k: int  # 0 = autoregressive
+  tokens: int = 0
+  decode_s: float = 0.0
+  metrics: SpecMetrics | None = None
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens / self.decode_s if self.decode_s else 0.0
+
+
+def run_bench(engine: Engine, prompts: list[Prompt], depths: list[int], *, max_new_tokens: int = 64,
+              sampling: SamplingParams = SamplingParams(), progress=None) -> dict:
+  """Runs every prompt autoregressively and at every depth; returns cells and calibration."""
+  for k in depths:
+    if k < 1:
+      raise SpecjaxError(f'draft depths must be at least 1, got {k}')
+    engine.check_depth(k)
+  ids = engine.encode([p.text for p in prompts])
+  engine.generate([ids[0]], max_new_tokens=4, num_draft=0, sampling=sampling)  # compile the buckets
+  for k in depths:
+    engine.generate([ids[0]], max_new_tokens=4, num_draft=k, sampling=sampling)
+  cells: dict[tuple[str, int], Cell] = {}
+  outputs_equal = True
+  for n, (prompt, p_ids) in enumerate(zip(prompts, ids)):
+    reference = None
+    for k in [0] + list(depths):
+      results, stats = engine.generate([p_ids], max_new_tokens=max_new_tokens, num_draft=k, sampling=sampling)
+      r = results[0]
+      if k == 0:
+        reference = r.tokens
+      elif sampling.is_greedy and r.tokens != reference:
+        outputs_equal = False
+      for cat in (prompt.category, 'all'):
+        cell = cells.setdefault((cat, k), Cell(cat, k, metrics=SpecMetrics(k=k) if k else None))
+        cell.tokens += len(r.tokens) - 1  # tokens after the first, over decode time
+        cell.decode_s += stats.decode_s
+        if k:
+          cell.metrics = cell.metrics.merge(r.spec)
+      if progress:
+        progress(n, len(prompts), prompt, k, stats)
+  shortest = min(ids, key=len)  # calibration copies the (undonated) cache: keep it small
+  calib = {k: calibrate(engine, shortest, k, sampling) for k in depths}
+  return {'cells': cells, 'calibration': calib, 'outputs_equal': outputs_equal}
+
+
+def table(report: dict, drafter: str) -> list[dict]:
+  cells, calib = report['cells'], report['calibration']
+  rows = []
+  categories = sorted({c for c, _ in cells}, key=lambda c: (c == 'all', c))
+  for cat in categories:
+    ar = cells[(cat, 0)]
+    for (c, k), cell in sorted(cells.items()):
+      if c != cat or k == 0:
+        continue
+      cost = calib[k]
+      predicted = cell.metrics.tau * cost['decode_s'] / (cost['draft_s'] + cost['verify_s'])
+      speedup = cell.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0
+      rows.append({
+          'category': cat, 'drafter': drafter, 'k': k, 'tau': cell.metrics.tau,
+          'acceptance': cell.metrics.acceptance_rate, 'ar_tok_s': ar.tokens_per_s,
+          'spec_tok_s': cell.tokens_per_s, 'speedup': speedup, 'predicted': predicted,
+          'efficiency': speedup / predicted if predicted else 0.0,
+      })
+  return rows
+
+
+def format_table(rows: list[dict]) -> str:
+  head = '| category | drafter | K | τ | accept | AR tok/s | spec tok/s | speedup | predicted | measured/predicted |'
+  lines = [head, '|' + '---|' * 10]
+  for r in rows:
+    lines.append(
+        f"| {r['category']} | {r['drafter']} | {r['k']} | {r['tau']:.2f} | {r['acceptance']:.2f} | "
+        f"{r['ar_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['predicted']:.2f}x | "
+        f"{r['efficiency']:.2f} |")
+  return '\n'.join(lines)
