@@ -214,9 +214,13 @@ def test_auto_is_xla_off_gpu():
   assert select_impl("pallas", 16, 4, interpret=True) == "pallas"
 
 
-def test_auto_is_pallas_on_gpu(monkeypatch):
+def test_auto_on_gpu(monkeypatch):
+  import pallas_kernels.paged_attention as pa
   from pallas_kernels.paged_attention import select_impl
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  # Until the kernel has run on a GPU, "auto" keeps XLA there too.
+  assert select_impl("auto", 256, 16) == ("pallas" if pa.AUTO_PICKS_PALLAS else "xla")
+  monkeypatch.setattr(pa, "AUTO_PICKS_PALLAS", True)
   assert select_impl("auto", 256, 16) == "pallas"
   assert select_impl("auto", 80, 16) == "xla"  # Not a Triton tile.
   assert select_impl("xla", 256, 16) == "xla"

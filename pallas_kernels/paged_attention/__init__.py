@@ -14,9 +14,13 @@ __all__ = ["IMPLS", "MASK_VALUE", "check_inputs", "check_lengths",
 
 
 def _concrete(x: jax.Array | None) -> np.ndarray | None:
-  if x is None or isinstance(x, jax.core.Tracer):
+  """x on the host, or None when x is None or traced."""
+  if x is None:
     return None
-  return np.asarray(x)
+  try:
+    return np.asarray(x)
+  except jax.errors.TracerArrayConversionError:
+    return None
 
 
 def check_lengths(
@@ -62,6 +66,12 @@ def check_impl(impl: str) -> None:
                      f"of {IMPLS}")
 
 
+# The Triton kernel matches the reference in interpret mode and lowers for CUDA,
+# but has not yet run on a GPU: until it has, "auto" keeps the XLA reference and
+# the kernel is opt-in with impl="pallas".
+AUTO_PICKS_PALLAS = False
+
+
 def select_impl(impl: str, head_dim: int, page_size: int,
                 interpret: bool = False) -> str:
   """"xla" or "pallas" for a requested impl; raises if "pallas" can't run."""
@@ -69,7 +79,7 @@ def select_impl(impl: str, head_dim: int, page_size: int,
   if impl == "xla":
     return "xla"
   on_gpu = jax.default_backend() == "gpu"
-  if impl == "auto" and not on_gpu:
+  if impl == "auto" and not (on_gpu and AUTO_PICKS_PALLAS):
     return "xla"
   from pallas_kernels.paged_attention import triton_kernel  # pylint: disable=g-import-not-at-top
   reason = triton_kernel.unsupported_reason(head_dim, page_size)

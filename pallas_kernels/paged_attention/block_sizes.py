@@ -11,12 +11,14 @@ measured on a GPU (run `benchmarks/paged_attention.py` and update them):
 
   head dim  keys/step  rows  warps  stages   K+V tile per stage (bf16)
   <= 64        128      128     4      3      32 KiB
-  128          128       64     4      2      64 KiB
-  256           64       64     8      2      64 KiB
+  65-128       128       64     4      2      64 KiB
+  129-256       64       64     8      2      64 KiB
+  > 256         32       32     8      1      >= 32 KiB
 
 - Keys per step: large enough to keep many loads in flight (the kernel is
   bandwidth bound), small enough that K, V and the [rows, keys] logits fit in
   shared memory and registers with the stages above (Ampere has 164 KiB).
+  A step is whole pages: one page when pages are longer than the entry.
 - Rows: Q * G rounded up to a power of two, at least 16 (Triton's smallest
   dot); past the table's cap the rows split into several blocks, each of
   which re-reads the pages (only very wide verify trees get there).
@@ -51,6 +53,16 @@ class BlockSizes:
   k_splits: int  # key splits per sequence, merged after the kernel
   num_warps: int = 4
   num_stages: int = 2
+
+  def __post_init__(self):
+    if not is_power_of_2(self.block_rows) or self.block_rows < MIN_ROWS:
+      raise ValueError(f"block_rows must be a power of two >= {MIN_ROWS}, "
+                       f"got {self.block_rows}")
+    if not is_power_of_2(self.pages_per_compute_block):
+      raise ValueError(f"pages_per_compute_block must be a power of two, "
+                       f"got {self.pages_per_compute_block}")
+    if self.k_splits < 1:
+      raise ValueError(f"k_splits must be >= 1, got {self.k_splits}")
 
 
 def next_power_of_2(n: int) -> int:

@@ -167,9 +167,6 @@ def _tree_words(
   return words[:, query_of_row].transpose(0, 2, 1)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sliding_window", "logit_softcap", "scale",
-                              "block_sizes", "interpret"))
 def paged_attention(
     q: jax.Array,  # [B, Q, H, D]
     k_pages: jax.Array,  # [Hkv, P, page_size, D]
@@ -185,7 +182,24 @@ def paged_attention(
     block_sizes: block_sizes_lib.BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [B, Q, H, D]
-  """The Triton kernel; inputs as checked by `reference.check_inputs`."""
+  """The Triton kernel; inputs as checked by `reference.check_inputs`.
+
+  block_sizes: the tiling; None picks it from `block_sizes.py`'s table.
+  """
+  static = lambda x, kind: None if x is None else kind(x)  # Hashable.
+  return _paged_attention(
+      q, k_pages, v_pages, block_tables, lengths, query_lens, mask,
+      sliding_window=static(sliding_window, int),
+      logit_softcap=static(logit_softcap, float), scale=static(scale, float),
+      block_sizes=block_sizes, interpret=bool(interpret))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sliding_window", "logit_softcap", "scale",
+                              "block_sizes", "interpret"))
+def _paged_attention(q, k_pages, v_pages, block_tables, lengths, query_lens,
+                     mask, *, sliding_window, logit_softcap, scale,
+                     block_sizes, interpret):
   b, n_q, n_heads, head_dim = q.shape
   n_kv_heads, _, page_size, _ = k_pages.shape
   group = n_heads // n_kv_heads
@@ -203,6 +217,10 @@ def paged_attention(
         or block_sizes_lib.DEFAULT_NUM_CORES)
   block_rows = block_sizes.block_rows
   pages_per_block = block_sizes.pages_per_compute_block
+  if pages_per_block * page_size < block_sizes_lib.MIN_KEYS:
+    raise ValueError(
+        f"{pages_per_block} pages of {page_size} per step is fewer than "
+        f"{block_sizes_lib.MIN_KEYS} keys, Triton's smallest dot")
   k_splits = block_sizes.k_splits
   row_blocks = -(-n_rows // block_rows)
   rows_pad = row_blocks * block_rows
