@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -78,46 +79,60 @@ def load_prompts(path: str, categories: list[str] | None = None, limit: int | No
   return rows
 
 
-def _time(fn, *args, repeats: int = 5) -> float:
-  jax.block_until_ready(fn(*args))
+# Each cost function donates the decode state and returns it with the target
+# cache rolled back by length, so repeated timing runs in place (an undonated
+# cache would be copied on every call and inflate the cost).
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _decode_cost(graphdef, params, state):
+  model = nnx.merge(graphdef, params)
+  hidden, cache = model(state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
+  cache = dataclasses.replace(cache, lengths=state.cache.lengths)
+  return jnp.argmax(model.logits(hidden[:, 0]), -1), dataclasses.replace(state, cache=cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
+def _draft_cost(graphdef, drafter, k, sampling, params, dparams, state):
+  ctx = DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
+  prop = drafter.propose(nnx.merge(graphdef, params), dparams, state.drafter, state.cache, ctx, k, sampling)
+  cache = dataclasses.replace(prop.cache, lengths=state.cache.lengths)
+  # A drafter with its own cache advances it by K per call: prefill reserved room for that.
+  return prop.drafts, dataclasses.replace(state, cache=cache, drafter=prop.state)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _verify_cost(graphdef, k, params, state):
+  model = nnx.merge(graphdef, params)
+  block = jnp.broadcast_to(state.last_tokens[:, None], (state.last_tokens.shape[0], k + 1))
+  hidden, cache, _ = model.forward(block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32))
+  cache = dataclasses.replace(cache, lengths=state.cache.lengths)
+  return jnp.argmax(model.logits(hidden), -1), dataclasses.replace(state, cache=cache)
+
+
+def _time(fn, state, repeats: int = 5) -> tuple[float, object]:
+  """Best time of `fn(state) -> (out, state)` over repeats (after one warm-up)."""
+  out, state = fn(state)
+  jax.block_until_ready(out)
   best = float('inf')
   for _ in range(repeats):
     t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    out, state = fn(state)
+    jax.block_until_ready(out)
     best = min(best, time.perf_counter() - t)
-  return best
+  return best, state
 
 
 def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParams = SamplingParams()) -> dict:
-  """Times one autoregressive step, the drafter's propose for k, and the k + 1 verify pass."""
+  """Times one autoregressive step, the drafter's propose for k, and the k + 1 verify pass, each alone."""
   eos = jnp.asarray([-1], jnp.int32)
   state = engine.prefill([prompt], 64, sampling, eos)
   graphdef, params, drafter = engine.model.graphdef, engine.model.params, engine.drafter
   dparams = drafter.params()
-
-  @jax.jit
-  def decode(params, state):
-    model = nnx.merge(graphdef, params)
-    hidden, _ = model(state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
-    return jnp.argmax(model.logits(hidden[:, 0]), -1)
-
-  @jax.jit
-  def propose(params, dparams, state):
-    ctx = DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
-    return drafter.propose(nnx.merge(graphdef, params), dparams, state.drafter, state.cache, ctx, k, sampling).drafts
-
-  @jax.jit
-  def verify(params, state):
-    model = nnx.merge(graphdef, params)
-    block = jnp.broadcast_to(state.last_tokens[:, None], (state.last_tokens.shape[0], k + 1))
-    hidden, _, _ = model.forward(block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32))
-    return jnp.argmax(model.logits(hidden), -1)
-
-  return {
-      'decode_s': _time(decode, params, state),
-      'draft_s': _time(propose, params, dparams, state),
-      'verify_s': _time(verify, params, state),
-  }
+  decode_s, state = _time(lambda st: _decode_cost(graphdef, params, st), state)
+  verify_s, state = _time(lambda st: _verify_cost(graphdef, k, params, st), state)
+  draft_s, state = _time(lambda st: _draft_cost(graphdef, drafter, k, sampling, params, dparams, st), state)
+  return {'decode_s': decode_s, 'draft_s': draft_s, 'verify_s': verify_s}
 
 
 @dataclasses.dataclass
@@ -163,8 +178,12 @@ def run_bench(engine: Engine, prompts: list[Prompt], depths: list[int], *, max_n
           cell.metrics = cell.metrics.merge(r.spec)
       if progress:
         progress(n, len(prompts), prompt, k, stats)
-  shortest = min(ids, key=len)  # calibration copies the (undonated) cache: keep it small
-  calib = {k: calibrate(engine, shortest, k, sampling) for k in depths}
+  # Costs per category, measured at the context of its first prompt.
+  first = {}
+  for prompt, p_ids in zip(prompts, ids):
+    first.setdefault(prompt.category, p_ids)
+  first['all'] = sorted(ids, key=len)[len(ids) // 2]
+  calib = {(cat, k): calibrate(engine, p_ids, k, sampling) for cat, p_ids in first.items() for k in depths}
   return {'cells': cells, 'calibration': calib, 'outputs_equal': outputs_equal}
 
 
@@ -177,7 +196,7 @@ def table(report: dict, drafter: str) -> list[dict]:
     for (c, k), cell in sorted(cells.items()):
       if c != cat or k == 0:
         continue
-      cost = calib[k]
+      cost = calib[(cat, k)]
       predicted = cell.metrics.tau * cost['decode_s'] / (cost['draft_s'] + cost['verify_s'])
       speedup = cell.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0
       rows.append({

@@ -179,7 +179,8 @@ def cmd_bench(args) -> int:
                            progress=None if args.quiet else progress)
   rows = bench.table(report, engine.drafter.name)
   if args.json:
-    print(json.dumps({'rows': rows, 'calibration': report['calibration'],
+    calibration = {f'{cat}/K={k}': v for (cat, k), v in report['calibration'].items()}
+    print(json.dumps({'rows': rows, 'calibration': calibration,
                       'greedy_outputs_equal': report['outputs_equal'], 'model': model.source}))
   else:
     print(bench.format_table(rows))
