@@ -24,6 +24,7 @@ from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters.base import BatchPlan, Drafter
 from specjax.metrics import SpecMetrics
+from specjax.policies import Fixed, Policy
 from specjax.step import spec_step, write_tokens
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.models.base import Model
@@ -66,6 +67,7 @@ class GenerationStats:
   decode_steps: int = 0
   generated_tokens: int = 0
   rows: int = 0
+  steps: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)  # (K, seconds, live rows)
 
   @property
   def tokens_per_s(self) -> float:
@@ -290,12 +292,14 @@ class Engine:
       sampling: SamplingParams = SamplingParams(),
       stream: Callable[[int, str], None] | None = None,
       request_ids: Sequence[int] | None = None,
-      num_draft: int | None = None,
+      num_draft: int | Policy | None = None,
   ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates for a batch of prompts (texts or token ids).
 
     `num_draft` is the draft depth K of each speculative step (default: the
-    engine's `max_draft` when it has a drafter; 0 forces plain decoding).
+    engine's `max_draft` when it has a drafter; 0 forces plain decoding), or a
+    `specjax.policies.Policy` that picks K before every step from its
+    candidates (each compiled once, ahead of the decode clock).
     `stream(row, text_delta)` is called as text becomes final for each row.
     Random draws are keyed by (seed, request id, position): request ids default
     to the row numbers, so a row's tokens do not depend on the other rows or on
@@ -304,8 +308,16 @@ class Engine:
     if max_new_tokens < 1:
       raise SpecjaxError(f'max_new_tokens must be at least 1, got {max_new_tokens}')
     sampling.validate()
-    k = self.max_draft if num_draft is None else num_draft
-    self.check_depth(k)
+    if isinstance(num_draft, Policy):
+      policy = num_draft
+    else:
+      k = self.max_draft if num_draft is None else num_draft
+      self.check_depth(k)
+      policy = Fixed(k) if k else None
+    depths = policy.candidates if policy else (0,)
+    for k in depths:
+      self.check_depth(k)
+    k = max(depths)
     ids = self.encode(prompts)
     if request_ids is not None and len(request_ids) != len(ids):
       raise SpecjaxError(f'{len(request_ids)} request ids for {len(ids)} prompts')
@@ -327,25 +339,33 @@ class Engine:
 
     t0 = time.perf_counter()
     state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids)
-    step = self._step_fn(k, sampling, state, eos_ids)  # compiled here, before the clock of decode
+    steps = {d: self._step_fn(d, sampling, state, eos_ids) for d in depths}  # compiled before the decode clock
+    pstate = policy.init() if policy else None
     tokens, active = jax.device_get((state.last_tokens, state.active))
     stats.prefill_s = time.perf_counter() - t0
     for i in range(n):
       emit(i, tokens[i:i + 1])
     t0 = time.perf_counter()
     while active[:n].any():
-      state, out = step(state)
+      live = int(active[:n].sum())
+      k_step = policy.choose(pstate, live) if policy else 0
+      t_step = time.perf_counter()
+      state, out = steps[k_step](state)
       out = jax.device_get(out)  # the one host transfer of the step
+      step_s = time.perf_counter() - t_step
       stats.decode_steps += 1
-      if k == 0:
+      stats.steps.append((k_step, step_s, live))
+      rows = np.flatnonzero(active[:n])
+      if k_step == 0:
         tokens, now_active = out
-        for i in np.flatnonzero(active[:n]):
+        for i in rows:
           emit(i, tokens[i:i + 1])
       else:
         tokens, emitted, accepted, drafted, now_active = out
-        for i in np.flatnonzero(active[:n]):
+        for i in rows:
           emit(i, tokens[i, :emitted[i]])
           spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]))
+        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live)
       active = now_active
     stats.decode_s = time.perf_counter() - t0
     stats.compile_s = self.compile_s - compile_before
