@@ -40,19 +40,11 @@ def read_prompts(args) -> list[str]:
   if args.prompt_file:
     if not os.path.isfile(args.prompt_file):
       raise SpecjaxError(f'prompt file {args.prompt_file!r} does not exist')
-    with open(args.prompt_file, encoding='utf-8') as f:
-      if args.prompt_file.endswith('.jsonl'):
-        for n, line in enumerate(f, 1):
-          if line.strip():
-            try:
-              row = json.loads(line)
-            except json.JSONDecodeError:
-              raise SpecjaxError(f'{args.prompt_file}:{n} is not valid JSON') from None
-            text = row.get('prompt') or (row.get('turns') or [None])[0]
-            if not isinstance(text, str):
-              raise SpecjaxError(f'{args.prompt_file}:{n} has no "prompt" or "turns" text')
-            prompts.append(text)
-      else:
+    if args.prompt_file.endswith('.jsonl'):
+      from specjax.bench import load_prompts
+      prompts += [p.text for p in load_prompts(args.prompt_file)]
+    else:
+      with open(args.prompt_file, encoding='utf-8') as f:
         prompts += [line.rstrip('\n').replace('\\n', '\n') for line in f if line.strip()]
   if not prompts:
     raise SpecjaxError('no prompt: pass --prompt TEXT or --prompt-file FILE')
@@ -125,6 +117,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--ngram-min', type=int, default=1)
   p.add_argument('--ngram-max', type=int, default=3)
   p.add_argument('--layers', type=int, default=None, help='layer-skip: target layers used to draft')
+  p.add_argument('--profile', action='store_true',
+                 help='time draft and verify separately (one extra host sync per step)')
 
 
 def load_engine(args, with_drafter: bool):
@@ -143,7 +137,8 @@ def load_engine(args, with_drafter: bool):
                            layers=args.layers)
   engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages,
                           max_seq_len=args.max_seq_len, drafter=drafter,
-                          max_draft=max(args.max_draft, args.n_predict or 0) if with_drafter else 8)
+                          max_draft=max(args.max_draft, args.n_predict or 0) if with_drafter else 8,
+                          profile=getattr(args, 'profile', False))
   return model, engine
 
 

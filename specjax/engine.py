@@ -25,7 +25,7 @@ from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters.base import BatchPlan, Drafter
 from specjax.metrics import SpecMetrics
 from specjax.policies import Fixed, Policy
-from specjax.step import spec_step, write_tokens
+from specjax.step import propose_phase, spec_step, verify_phase, write_tokens
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.models.base import Model
 from specjax.sampling import SamplingParams
@@ -141,11 +141,14 @@ class Engine:
       autoregressive only).
     max_draft: the largest draft depth K a step may use (pages are reserved for
       K + 1 lookahead positions).
+    profile: split each speculative step into its draft and verify executables
+      with a host sync between them, to report draft / verify time per request
+      (costs one extra sync per step; off for throughput runs).
   """
 
   def __init__(self, model: Model, *, page_size: int = 16, max_seq_len: int | None = None,
                num_pages: int | None = None, prefill_chunk: int = 512, drafter: Drafter | None = None,
-               max_draft: int = 8):
+               max_draft: int = 8, profile: bool = False):
     if page_size < 1 or page_size & (page_size - 1):
       raise SpecjaxError(f'page_size must be a power of two, got {page_size}')
     self.model = model
@@ -155,6 +158,8 @@ class Engine:
     self.prefill_chunk = prefill_chunk
     self.drafter = drafter
     self.max_draft = min(max_draft, drafter.max_depth) if drafter else 0
+    self.profile = profile
+    self.phase_s = [0.0, 0.0]  # draft, verify seconds of the last profiled step
     self._executables: dict[tuple, Callable] = {}
     self.compile_s = 0.0
 
@@ -272,8 +277,24 @@ class Engine:
       return lambda state: exe(self.model.params, state, eos_ids)
     dparams = self.drafter.params()
     static = {'drafter': self.drafter, 'k': k, 'sampling': sampling}
-    exe = self._compiled('spec', spec_step, (dparams, state, eos_ids), static, (2,))
-    return lambda state: exe(self.model.params, dparams, state, eos_ids)
+    if not self.profile:
+      exe = self._compiled('spec', spec_step, (dparams, state, eos_ids), static, (2,))
+      return lambda state: exe(self.model.params, dparams, state, eos_ids)
+    propose = self._compiled('propose', propose_phase, (dparams, state), static, (2,))
+    shapes = jax.eval_shape(lambda s: propose_phase(self.model.graphdef, self.model.params, dparams, s, **static),
+                            state)
+    verify_exe = self._compiled('verify', verify_phase, (dparams, *shapes, eos_ids), static, (2,))
+
+    def profiled(state):
+      t = time.perf_counter()
+      state, prop = propose(self.model.params, dparams, state)
+      jax.block_until_ready(prop.drafts)
+      t_mid = time.perf_counter()
+      out = verify_exe(self.model.params, dparams, state, prop, eos_ids)
+      jax.block_until_ready(out[1])
+      self.phase_s = [t_mid - t, time.perf_counter() - t_mid]
+      return out
+    return profiled
 
   def check_depth(self, k: int) -> None:
     """K = 0 is plain decoding; otherwise 1 <= K <= max_draft."""
@@ -365,6 +386,8 @@ class Engine:
         for i in rows:
           emit(i, tokens[i, :emitted[i]])
           spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]))
+          spec[i].draft_s += self.phase_s[0] if self.profile else 0.0
+          spec[i].verify_s += self.phase_s[1] if self.profile else 0.0
         pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live)
       active = now_active
     stats.decode_s = time.perf_counter() - t0

@@ -35,16 +35,21 @@ def write_tokens(
   return buffer.at[jnp.arange(buffer.shape[0])[:, None], idx].set(tokens, mode='drop')
 
 
-def spec_step(graphdef, params, dparams, state, eos_ids, *, drafter, k: int, sampling):
-  """One speculative step; returns (state, (tokens [B, K+1], emitted [B], accepted [B], drafted [B], active [B]))."""
+def propose_phase(graphdef, params, dparams, state, *, drafter, k: int, sampling):
+  """Drafts K tokens per row; returns (state, proposal) with the drafter's cache writes in state."""
+  target = nnx.merge(graphdef, params)
+  ctx = DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
+  prop = drafter.propose(target, dparams, state.drafter, state.cache, ctx, k, sampling)
+  return dataclasses.replace(state, cache=prop.cache, drafter=prop.state), prop
+
+
+def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k: int, sampling):
+  """Verifies a proposal in one target pass and commits what each row accepted."""
   target = nnx.merge(graphdef, params)
   old_len = state.cache.lengths
-  ctx = DraftContext(state.tokens, old_len, state.last_tokens, state.active, state.seq_ids)
-  prop = drafter.propose(target, dparams, state.drafter, state.cache, ctx, k, sampling)
-
   block = jnp.concatenate([state.last_tokens[:, None], prop.drafts], axis=1)  # [B, K + 1]
   hidden, cache, taps = target.forward(
-      block, prop.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32), taps=drafter.taps)
+      block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32), taps=drafter.taps)
   logits = target.logits(hidden).astype(jnp.float32)  # [B, K + 1, V]
   n_accepted, out = verify(logits, prop.drafts, prop.draft_lens, prop.q, sampling, state.seq_ids, old_len + 1)
 
@@ -63,8 +68,15 @@ def spec_step(graphdef, params, dparams, state, eos_ids, *, drafter, k: int, sam
   tokens = write_tokens(state.tokens, out, old_len + 1, emitted)
   cache = dataclasses.replace(cache, lengths=new_len)
   new_ctx = DraftContext(tokens, new_len, last_tokens, active, state.seq_ids)
-  dstate = drafter.commit(dparams, prop.state, new_ctx, emitted, taps)
+  dstate = drafter.commit(dparams, state.drafter, new_ctx, emitted, taps)
   state = dataclasses.replace(state, cache=cache, tokens=tokens, last_tokens=last_tokens, active=active,
                               num_generated=num_generated, drafter=dstate)
   accepted = jnp.where(emitted > 0, n_accepted, 0)
   return state, (out, emitted, accepted, prop.draft_lens, active)
+
+
+def spec_step(graphdef, params, dparams, state, eos_ids, *, drafter, k: int, sampling):
+  """One speculative step; returns (state, (tokens [B, K+1], emitted [B], accepted [B], drafted [B], active [B]))."""
+  static = dict(drafter=drafter, k=k, sampling=sampling)
+  state, prop = propose_phase(graphdef, params, dparams, state, **static)
+  return verify_phase(graphdef, params, dparams, state, prop, eos_ids, **static)

@@ -179,3 +179,17 @@ def test_drafters_the_target_cannot_serve(tiny_model):
     make_drafter('medusa', tiny_model)
   with pytest.raises(SpecjaxError, match='needs a drafter'):
     specjax.Engine(tiny_model, page_size=4).generate(['Hi'], max_new_tokens=2, num_draft=2)
+
+
+def test_profiled_step_reports_draft_and_verify_time(tiny_model, draft_model, greedy_reference):
+  drafter = make('draft-model', tiny_model, draft_model)
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=drafter, profile=True)
+  results, _ = engine.generate(PROMPTS, max_new_tokens=40, num_draft=3)
+  assert [r.tokens for r in results] == greedy_reference
+  for r in results:
+    assert r.spec.draft_s > 0 and r.spec.verify_s > 0
+  params = specjax.SamplingParams(temperature=1.0, seed=2)
+  fused = specjax.Engine(tiny_model, page_size=4, drafter=drafter).generate(
+      PROMPTS, max_new_tokens=20, num_draft=3, sampling=params)[0]
+  split = engine.generate(PROMPTS, max_new_tokens=20, num_draft=3, sampling=params)[0]
+  assert [r.tokens for r in split] == [r.tokens for r in fused]

@@ -1,0 +1,326 @@
+"""Sweep configs: ml_collections files over one schema, command-line overrides, grid axes.
+
+A config file defines `get_config()` returning an `ml_collections.ConfigDict`;
+fields it leaves out keep the defaults of `base_config()`, and a field the
+schema does not have is an error. `grid` holds the axes of the sweep, each a
+non-empty list; every combination of their values is one cell:
+
+  config.grid.drafter.kind = ['ngram', 'layer-skip']        # axis 'drafter.kind'
+  config.grid.policy.k = [2, 4, 6, 8]                       # axis 'policy.k'
+  config.grid.policy = [{'name': 'fixed', 'k': 4}, {'name': 'tuner'}]  # a section axis: partial updates
+  config.grid.category = ['coding', 'math_reasoning']       # shorthand for prompts.categories = [c]
+
+Overrides are `key=value` strings (`value` read with `ast.literal_eval`, else
+kept as a string): `policy.k=4` fixes a key in every cell (removing an axis of
+that name), `grid.policy.k=[2,4]` sets an axis.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import hashlib
+import importlib.util
+import itertools
+import json
+import os
+from typing import Any, Iterable
+
+import ml_collections
+
+from specjax.bench import SPEC_BENCH
+from specjax.errors import SpecjaxError
+
+SECTIONS = ('drafter', 'sampling', 'prompts', 'policy')
+NULLABLE = {'drafter.draft_model': str, 'drafter.layers': int, 'prompts.limit': int}
+CATEGORY_AXIS = 'category'
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """The schema: every field a sweep config may set, with its default."""
+  return ml_collections.ConfigDict({
+      'name': 'sweep',
+      'model': 'gemma-3-270m',  # demo name, HF directory, .gguf file or hub id
+      'attention_impl': 'auto',
+      'drafter': {
+          'kind': 'ngram',  # ngram | layer-skip | draft-model
+          'draft_model': None,  # draft-model: same forms as `model`
+          'ngram_min': 1,
+          'ngram_max': 3,
+          'layers': None,  # layer-skip: target layers (None: a quarter of the target)
+      },
+      'sampling': {'temperature': 0.0, 'top_k': 0, 'top_p': 1.0, 'min_p': 0.0, 'seed': 0},
+      'prompts': {
+          'path': SPEC_BENCH,  # Spec-Bench question.jsonl (or any jsonl with prompt/turns + category)
+          'categories': [],  # empty: every category in the file
+          'limit': None,  # prompts per category (None: all)
+      },
+      'max_new_tokens': 64,
+      'policy': {
+          'name': 'fixed',  # fixed | tuner | load
+          'k': 4,  # the fixed policy's depth
+          'candidates': [],  # adaptive policies' depths (empty: the drafter family's default set)
+      },
+      'batch_size': 1,  # prompts per generate call (batches never mix categories)
+      'page_size': 16,
+      'warmup': True,  # one short untimed generate before each engine / policy's first batch
+      'grid': {},
+  })
+
+
+def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    path = f'{prefix}{key}'
+    if isinstance(value, dict):
+      out.update(_flatten(value, path + '.'))
+    else:
+      out[path] = value
+  return out
+
+
+def _to_dict(config) -> dict:
+  if isinstance(config, ml_collections.ConfigDict):
+    return config.to_dict()
+  if isinstance(config, dict):
+    return copy.deepcopy(config)
+  raise SpecjaxError(f'a sweep config must be an ml_collections.ConfigDict, got {type(config).__name__}')
+
+
+_SCHEMA = _flatten({k: v for k, v in base_config().to_dict().items() if k != 'grid'})
+
+
+def _check_value(key: str, value: Any) -> Any:
+  """Type-checks one schema leaf; returns the value normalized (lists, floats)."""
+  default = _SCHEMA[key]
+  if value is None and key in NULLABLE:
+    return None
+  want = NULLABLE.get(key, type(default))
+  if want is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if want is list and isinstance(value, (list, tuple)):
+    return list(value)
+  if want is int and isinstance(value, bool) or not isinstance(value, want):
+    raise SpecjaxError(f'config key {key!r} must be {want.__name__}, got {value!r}')
+  return value
+
+
+def _unknown(key: str) -> SpecjaxError:
+  known = ', '.join(sorted(_SCHEMA))
+  return SpecjaxError(f'unknown config key {key!r} (known: {known}, grid.<key>)')
+
+
+def _check_section(section: str, value: Any) -> dict:
+  if not isinstance(value, dict):
+    raise SpecjaxError(f'grid axis {section!r} takes dicts of {section} fields, got {value!r}')
+  out = {}
+  for key, v in value.items():
+    path = f'{section}.{key}'
+    if path not in _SCHEMA:
+      raise _unknown(path)
+    out[key] = _check_value(path, v)
+  return out
+
+
+def _check_axis(axis: str, values: Any) -> list:
+  if not isinstance(values, (list, tuple)):
+    raise SpecjaxError(f'grid axis {axis!r} must be a list of values, got {values!r}')
+  if not values:
+    raise SpecjaxError(f'grid axis {axis!r} has no values')
+  if axis == CATEGORY_AXIS:
+    bad = [v for v in values if not isinstance(v, str)]
+    if bad:
+      raise SpecjaxError(f'grid axis {axis!r} takes category names, got {bad}')
+    return list(values)
+  if axis in SECTIONS:
+    return [_check_section(axis, v) for v in values]
+  if axis not in _SCHEMA:
+    raise SpecjaxError(f'unknown grid axis {axis!r} (an axis is a config key, a section, or {CATEGORY_AXIS!r})')
+  return [_check_value(axis, v) for v in values]
+
+
+def _grid_axes(grid: dict) -> dict[str, list]:
+  """Flattens `grid` to {axis: values}: a list leaf is an axis (sections hold lists of dicts)."""
+  axes = {}
+
+  def walk(node: dict, prefix: str):
+    for key, value in node.items():
+      path = f'{prefix}{key}'
+      if isinstance(value, dict):
+        walk(value, path + '.')
+      else:
+        axes[path] = _check_axis(path, value)
+
+  if not isinstance(grid, dict):
+    raise SpecjaxError(f'config grid must be a dict of axes, got {grid!r}')
+  walk(grid, '')
+  return axes
+
+
+@dataclasses.dataclass
+class SweepConfig:
+  """A resolved sweep: base values (overrides applied), grid axes and the pinned overrides."""
+  base: dict  # flat {key: value}
+  axes: dict[str, list]
+  pinned: dict  # flat {key: value} from the command line, applied last in every cell
+  source: str = ''
+
+  def to_dict(self) -> dict:
+    nested = _unflatten(self.base)
+    nested['grid'] = {axis: values for axis, values in self.axes.items()}
+    return nested
+
+  def to_config_dict(self) -> ml_collections.ConfigDict:
+    out = _unflatten(self.base)
+    grid = {}
+    for axis, values in self.axes.items():
+      node = grid
+      *parents, leaf = axis.split('.')
+      for p in parents:
+        node = node.setdefault(p, {})
+      node[leaf] = values
+    out['grid'] = grid
+    return ml_collections.ConfigDict(out)
+
+  @property
+  def hash(self) -> str:
+    return stable_hash(self.to_dict())
+
+
+def _unflatten(flat: dict) -> dict:
+  out: dict = {}
+  for key, value in flat.items():
+    node = out
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return out
+
+
+def stable_hash(value: Any, length: int = 12) -> str:
+  text = json.dumps(value, sort_keys=True, separators=(',', ':'), default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+  """Imports a config file by path and returns its `get_config()`."""
+  if not os.path.isfile(path):
+    raise SpecjaxError(f'config file {path!r} does not exist')
+  spec = importlib.util.spec_from_file_location(f'specjax_sweep_config_{stable_hash(os.path.abspath(path))}', path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except SpecjaxError:
+    raise
+  except Exception as e:  # a broken config file is the user's mistake: one line naming it
+    raise SpecjaxError(f'config file {path!r} failed to load: {type(e).__name__}: {e}') from None
+  if not hasattr(module, 'get_config'):
+    raise SpecjaxError(f'config file {path!r} defines no get_config()')
+  try:
+    return module.get_config()
+  except SpecjaxError:
+    raise
+  except Exception as e:
+    raise SpecjaxError(f'{path}: get_config() failed: {type(e).__name__}: {e}') from None
+
+
+def parse_overrides(items: Iterable[str] | dict | None) -> dict[str, Any]:
+  """`['policy.k=4', 'prompts.limit=2']` (or a dict) -> {key: value}."""
+  if not items:
+    return {}
+  if isinstance(items, dict):
+    return dict(items)
+  out = {}
+  for item in items:
+    key, sep, text = item.partition('=')
+    key = key.strip()
+    if not sep or not key:
+      raise SpecjaxError(f'override {item!r} is not key=value')
+    try:
+      value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+      value = text.strip()
+    out[key] = value
+  return out
+
+
+def resolve(config, overrides: Iterable[str] | dict | None = None) -> SweepConfig:
+  """A config file path, ConfigDict or dict (+ overrides) -> a checked `SweepConfig`."""
+  source = ''
+  if isinstance(config, SweepConfig):
+    if not overrides:
+      return config
+    config = config.to_dict()
+  elif isinstance(config, (str, os.PathLike)):
+    source = os.fspath(config)
+    config = load_config_file(source)
+  user = _to_dict(config)
+  grid = user.pop('grid', None) or {}
+  base = dict(_SCHEMA)
+  for key, value in _flatten(user).items():
+    if key not in _SCHEMA:
+      raise _unknown(key)
+    base[key] = _check_value(key, value)
+  for section in SECTIONS:
+    if section in user and not isinstance(user[section], dict):
+      raise SpecjaxError(f'config key {section!r} is a section; set its fields ({section}.<field>)')
+  axes = _grid_axes(grid)
+  pinned = {}
+  for key, value in parse_overrides(overrides).items():
+    if key.startswith('grid.'):
+      axis = key[len('grid.'):]
+      axes[axis] = _check_axis(axis, value)
+    elif key in _SCHEMA:
+      pinned[key] = base[key] = _check_value(key, value)
+      axes.pop(key, None)
+    else:
+      raise _unknown(key)
+  if CATEGORY_AXIS in axes and 'prompts.categories' in axes:
+    raise SpecjaxError(f'grid has both {CATEGORY_AXIS!r} and "prompts.categories"; use one')
+  return SweepConfig(base, axes, pinned, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """One combination of grid values, fully resolved."""
+  id: str
+  values: dict  # {axis: value}
+  config: dict  # flat {key: value}
+
+  @property
+  def label(self) -> str:
+    return ' '.join(f'{a}={_short(v)}' for a, v in self.values.items()) or 'base'
+
+  def section(self, name: str) -> dict:
+    prefix = name + '.'
+    return {k[len(prefix):]: v for k, v in self.config.items() if k.startswith(prefix)}
+
+
+def _short(value) -> str:
+  if isinstance(value, dict):
+    return ','.join(f'{k}:{v}' for k, v in value.items())
+  return str(value)
+
+
+def expand(sweep: SweepConfig) -> list[Cell]:
+  """Every combination of the grid axes (sorted by axis name), deduplicated by resolved values."""
+  names = sorted(sweep.axes)
+  cells, seen = [], set()
+  for combo in itertools.product(*(sweep.axes[a] for a in names)):
+    flat = dict(sweep.base)
+    for axis, value in zip(names, combo):
+      if axis == CATEGORY_AXIS:
+        flat['prompts.categories'] = [value]
+      elif axis in SECTIONS:
+        flat.update({f'{axis}.{k}': v for k, v in value.items()})
+      else:
+        flat[axis] = value
+    flat.update(sweep.pinned)
+    flat.pop('name', None)  # the sweep's name does not change what a cell computes
+    cid = stable_hash(flat)
+    if cid not in seen:
+      seen.add(cid)
+      cells.append(Cell(cid, dict(zip(names, combo)), flat))
+  return cells
