@@ -9,16 +9,62 @@ Python/numpy), so the trace-replay simulator can drive it without a model:
 
 `accepted` holds the drafts each live sequence accepted in the step. Every K a
 policy may return is in `policy.candidates`, so each is compiled once.
+`observe` returns a new state; it never changes its input.
+
+  Fixed(k)                         always K.
+  Tuner(candidates)                the K with the most expected tokens per second.
+  Load(full, reduced, threshold)   `full` up to `threshold` live sequences, at most `reduced` above.
+
+`make_policy(name, family=...)` builds one over the drafter family's
+candidates (`candidates_for`). The environment variable SPECJAX_POLICY forces
+a policy, whatever the caller asked for:
+
+  SPECJAX_POLICY=fixed:4        Fixed(4); plain `fixed`: the caller's K, else the deepest candidate
+  SPECJAX_POLICY=tuner          Tuner over the family's candidates
+  SPECJAX_POLICY=tuner:2,4,6    Tuner over these candidates
+  SPECJAX_POLICY=load           Load with the caller's K, else the deepest candidate, as full depth
+  SPECJAX_POLICY=load:6         Load with full depth 6
+
+Options the caller passed that the forced policy does not have are dropped.
+
+Trace replay (`simulate`) compares policies offline. A `Trace` holds, per
+sequence, one outcome per generated position (the tokens of decode steps):
+ACCEPT, a draft there would be accepted given the earlier ones were; REJECT,
+it would not (the target emits its correction there); UNKNOWN, never drafted
+(the bonus token of a step that accepted every draft). A recorded step at
+depth K_rec that accepted a drafts contributes a ACCEPTs then REJECT (a <
+K_rec) or UNKNOWN (a = K_rec); the next step starts after them. Replaying at
+depth K from position p accepts the leading ACCEPTs of the K positions from p,
+emits min(accepted + 1, tokens left) tokens and moves p past them, so
+replaying the recorded depths reproduces the recorded accepted counts and
+tokens exactly. Biases: UNKNOWN counts as REJECT (`censored='accept'` gives the
+other bound), which undercounts depths above the recorded one; and acceptance
+belongs to the position, not to the draft's depth in its step, so drafters
+that weaken with depth (MTP heads) replay too well at large K.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import os
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from specjax.errors import SpecjaxError
+
+ENV = 'SPECJAX_POLICY'
+POLICIES = ('fixed', 'tuner', 'load')
+FAMILY_CANDIDATES = {
+    'mtp': (2, 3, 4, 6),  # built-in heads
+    'gemma4-assistant': (2, 3, 4, 6),  # capped by num_assistant_tokens
+    'dflash': (3, 5, 7),  # capped by block_size - 1
+    'ngram': (2, 4, 6, 8),
+    'draft-model': (2, 4, 6, 8),
+    'layer-skip': (2, 4, 6, 8),
+}
+LIVE_BUCKETS = 16
+ACCEPT, REJECT, UNKNOWN = 1, 0, -1
 
 
 class Policy:
@@ -50,3 +96,457 @@ class Fixed(Policy):
 
   def choose(self, state, live: int) -> int:
     return self.k
+
+
+@dataclasses.dataclass(frozen=True)
+class Load(Policy):
+  """`full` drafts while at most `threshold` sequences are live, min(reduced, full) above."""
+  full: int = 8
+  reduced: int = 3
+  threshold: int = 8
+  name: str = 'load'
+
+  def __post_init__(self):
+    if self.full < 1 or self.reduced < 1 or self.threshold < 1:
+      raise SpecjaxError(f'load policy needs full, reduced and threshold >= 1, got '
+                         f'full={self.full} reduced={self.reduced} threshold={self.threshold}')
+
+  @property
+  def candidates(self) -> tuple[int, ...]:
+    return tuple(sorted({min(self.reduced, self.full), self.full}))
+
+  def choose(self, state, live: int) -> int:
+    return self.full if live <= self.threshold else min(self.reduced, self.full)
+
+
+# ---------------------------------------------------------------- tuner
+
+
+def live_bucket(live: int) -> int:
+  """Power-of-two buckets of the live batch: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
+  return min(max(live - 1, 0).bit_length(), LIVE_BUCKETS - 1)
+
+
+def _linear(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
+  """Piecewise linear through (xp, fp), xp ascending; the end segments extrapolate."""
+  if len(xp) == 1:
+    return np.full(x.shape, float(fp[0]))
+  y = np.interp(x, xp, fp)
+  lo, hi = x < xp[0], x > xp[-1]
+  y[lo] = fp[0] + (x[lo] - xp[0]) * (fp[1] - fp[0]) / (xp[1] - xp[0])
+  y[hi] = fp[-1] + (x[hi] - xp[-1]) * (fp[-1] - fp[-2]) / (xp[-1] - xp[-2])
+  return y
+
+
+@dataclasses.dataclass(frozen=True)
+class TunerState:
+  step: int  # steps observed
+  current: int  # candidate index last chosen on merit (-1: none yet)
+  accept: np.ndarray  # [D] EMA of conditional acceptance at draft position j + 1
+  accept_n: np.ndarray  # [D] rows that reached each position
+  step_s: np.ndarray  # [L, C] EMA of step seconds per live bucket and candidate
+  step_n: np.ndarray  # [L, C] steps measured
+  last_tried: np.ndarray  # [L, C] step at which each candidate last ran (-1: never)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuner(Policy):
+  """Picks the candidate K with the most expected tokens per second.
+
+  Acceptance: an EMA of the conditional acceptance a_j = P(draft j accepted |
+  drafts before it accepted) per draft position. A step at depth k informs
+  positions 1..k (position j is reached by the rows that accepted j - 1
+  drafts); each reaching row is one EMA observation (`alpha`). Positions never
+  reached copy the deepest one that was. Expected tokens per row and step:
+  E(K) = 1 + sum_{i <= K} prod_{j <= i} a_j.
+
+  Step time: an EMA (`time_alpha`) per candidate and live bucket (powers of
+  two). A K not measured in the current bucket is linear in K through the
+  measured ones; with fewer than two there, the curve of the nearest bucket
+  that has two, scaled to this bucket's measurement.
+
+  Choice: argmax E(K) / T(K, live), staying on the current K unless another is
+  better by more than `margin`. Warm-up runs every candidate once, deepest
+  first; then every `explore_every`-th step runs the candidate least recently
+  tried at the current live bucket. No randomness: replays repeat exactly.
+  """
+  candidates: tuple[int, ...] = (2, 4, 6, 8)
+  alpha: float = 0.1
+  time_alpha: float = 0.3
+  explore_every: int = 32  # 0: never explore after warm-up
+  margin: float = 0.02
+  prior: float = 0.5  # acceptance assumed before any observation
+  name: str = 'tuner'
+
+  def __post_init__(self):
+    candidates = tuple(sorted({int(k) for k in self.candidates}))
+    if not candidates or candidates[0] < 1:
+      raise SpecjaxError(f'tuner needs candidate depths >= 1, got {tuple(self.candidates)}')
+    object.__setattr__(self, 'candidates', candidates)
+    if not (0 < self.alpha <= 1 and 0 < self.time_alpha <= 1 and 0 <= self.prior <= 1):
+      raise SpecjaxError(f'tuner needs 0 < alpha, time_alpha <= 1 and 0 <= prior <= 1, got '
+                         f'alpha={self.alpha} time_alpha={self.time_alpha} prior={self.prior}')
+    if self.explore_every < 0 or self.explore_every == 1 or self.margin < 0:
+      raise SpecjaxError(f'tuner needs explore_every = 0 or >= 2 and margin >= 0, got '
+                         f'explore_every={self.explore_every} margin={self.margin}')
+
+  def init(self) -> TunerState:
+    c, d = len(self.candidates), self.candidates[-1]
+    return TunerState(
+        step=0,
+        current=-1,
+        accept=np.full(d, self.prior),
+        accept_n=np.zeros(d, np.int64),
+        step_s=np.zeros((LIVE_BUCKETS, c)),
+        step_n=np.zeros((LIVE_BUCKETS, c), np.int64),
+        last_tried=np.full((LIVE_BUCKETS, c), -1, np.int64),
+    )
+
+  def acceptance(self, state: TunerState) -> np.ndarray:  # [D]
+    """Conditional acceptance per draft position; unreached positions copy the one before."""
+    a = state.accept.copy()
+    for j in range(len(a)):
+      if not state.accept_n[j]:
+        a[j] = a[j - 1] if j else self.prior
+    return a
+
+  def expected_tokens(self, state: TunerState) -> np.ndarray:  # [C]
+    """E(K) per candidate: tokens one row emits in a step of depth K."""
+    gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance(state)))])
+    return gain[np.asarray(self.candidates)]
+
+  def step_times(self, state: TunerState, live: int) -> np.ndarray:  # [C]
+    """Estimated seconds of a step per candidate at this live batch size."""
+    ks = np.asarray(self.candidates, np.float64)
+    seen = state.step_n > 0  # [L, C]
+    if not seen.any():
+      return 1.0 + ks  # nothing measured yet: cost grows with the verified block
+    b = live_bucket(live)
+    near = sorted(range(LIVE_BUCKETS), key=lambda x: (abs(x - b), x))
+    ref = next((x for x in near if seen[x].sum() >= 2), None)
+    if ref is None:
+      ref = next(x for x in near if seen[x].any())
+    times = _linear(ks, ks[seen[ref]], state.step_s[ref, seen[ref]])
+    times = np.maximum(times, 0.1 * state.step_s[ref, seen[ref]].min())
+    own = seen[b]
+    if ref != b and own.any():
+      times *= np.mean(state.step_s[b, own] / times[own])
+    return times
+
+  def _forced(self, state: TunerState, live: int) -> int | None:
+    """The candidate index a warm-up or exploration step runs, else None."""
+    untried = np.flatnonzero(state.step_n.sum(0) == 0)
+    if untried.size:
+      return int(untried[-1])
+    if self.explore_every and (state.step + 1) % self.explore_every == 0:
+      return int(np.argmin(state.last_tried[live_bucket(live)]))
+    return None
+
+  def choose(self, state: TunerState, live: int) -> int:
+    forced = self._forced(state, live)
+    if forced is not None:
+      return self.candidates[forced]
+    rate = self.expected_tokens(state) / self.step_times(state, live)
+    best, current = int(np.argmax(rate)), state.current
+    if current >= 0 and rate[best] <= rate[current] * (1 + self.margin):
+      best = current
+    return self.candidates[best]
+
+  def observe(self, state: TunerState, k: int, accepted: np.ndarray, step_s: float, live: int) -> TunerState:
+    if k not in self.candidates:
+      raise SpecjaxError(f'K={k} is not a candidate of this tuner {self.candidates}')
+    i, b = self.candidates.index(k), live_bucket(live)
+    accepted = np.asarray(accepted).reshape(-1)  # [rows]
+    depth = np.arange(1, k + 1)[:, None]  # [k, 1]
+    reached = (accepted[None, :] >= depth - 1).sum(1)  # [k]
+    hits = (accepted[None, :] >= depth).sum(1)
+    accept, accept_n = state.accept.copy(), state.accept_n.copy()
+    for j in np.flatnonzero(reached):
+      w = 1.0 - (1.0 - self.alpha) ** reached[j] if accept_n[j] else 1.0
+      accept[j] += w * (hits[j] / reached[j] - accept[j])
+    accept_n[:k] += reached
+    step_s_ema, step_n = state.step_s.copy(), state.step_n.copy()
+    w = self.time_alpha if step_n[b, i] else 1.0
+    step_s_ema[b, i] += w * (step_s - step_s_ema[b, i])
+    step_n[b, i] += 1
+    last_tried = state.last_tried.copy()
+    last_tried[b, i] = state.step
+    current = state.current if self._forced(state, live) is not None else i
+    return TunerState(state.step + 1, current, accept, accept_n, step_s_ema, step_n, last_tried)
+
+
+# ---------------------------------------------------------------- construction
+
+
+def check_candidates(candidates: Sequence[int], max_depth: int) -> tuple[int, ...]:
+  """Sorted unique candidates, each within the drafter's limits 1..max_depth."""
+  out = tuple(sorted({int(k) for k in candidates}))
+  bad = [k for k in out if not 1 <= k <= max_depth]
+  if not out or bad:
+    raise SpecjaxError(f'candidate depths {tuple(candidates)} are outside the drafter\'s limits 1..{max_depth}')
+  return out
+
+
+def candidates_for(family: str, *, block_size: int | None = None, num_assistant_tokens: int | None = None,
+                   max_depth: int = 8) -> tuple[int, ...]:
+  """The depths a drafter family's tuner chooses from, each capped by the family's limit.
+
+  mtp (2, 3, 4, 6); gemma4-assistant the same, capped by num_assistant_tokens
+  (6 if None); dflash (3, 5, 7) capped by min(block_size - 1, 7); ngram,
+  draft-model, layer-skip (2, 4, 6, 8). All capped by max_depth; a candidate
+  above the cap becomes the cap.
+  """
+  if family not in FAMILY_CANDIDATES:
+    raise SpecjaxError(f'unknown drafter family {family!r} (known: {", ".join(FAMILY_CANDIDATES)})')
+  if max_depth < 1:
+    raise SpecjaxError(f'max_depth must be at least 1, got {max_depth}')
+  cap = max_depth
+  if family == 'dflash':
+    if block_size is not None and block_size < 2:
+      raise SpecjaxError(f'a DFlash block_size must be at least 2, got {block_size}')
+    cap = min(cap, 7, block_size - 1 if block_size is not None else 7)
+  elif family == 'gemma4-assistant':
+    n = 6 if num_assistant_tokens is None else num_assistant_tokens
+    if n < 1:
+      raise SpecjaxError(f'num_assistant_tokens must be at least 1, got {n}')
+    cap = min(cap, n)
+  return tuple(sorted({min(k, cap) for k in FAMILY_CANDIDATES[family]}))
+
+
+def _from_env(value: str) -> tuple[str, int | None, tuple[int, ...] | None]:
+  """SPECJAX_POLICY -> (name, K, candidates)."""
+  usage = f'{ENV}={value!r}: expected fixed[:K], tuner[:K1,K2,...] or load[:K]'
+  name, _, arg = value.partition(':')
+  name = name.strip().lower()
+  if name not in POLICIES:
+    raise SpecjaxError(f'{usage} (unknown policy {name!r})')
+  if not arg.strip():
+    return name, None, None
+  try:
+    depths = tuple(int(x) for x in arg.split(','))
+  except ValueError:
+    raise SpecjaxError(f'{usage} (depths must be integers)') from None
+  if name == 'tuner':
+    return name, None, depths
+  if len(depths) != 1:
+    raise SpecjaxError(f'{usage} ({name} takes one depth)')
+  return name, depths[0], None
+
+
+def make_policy(name: str, *, family: str, candidates: Sequence[int] | None = None, k: int | None = None,
+                max_depth: int = 8, block_size: int | None = None, num_assistant_tokens: int | None = None,
+                **kw) -> Policy:
+  """Builds 'fixed' (depth k), 'tuner' or 'load' (full depth k) for a drafter family.
+
+  Candidates default to `candidates_for(family, ...)`; k defaults to the
+  deepest candidate. `kw` are the policy's options (tuner: alpha, time_alpha,
+  explore_every, margin, prior; load: reduced, threshold). SPECJAX_POLICY, when
+  set, overrides name (and k / candidates when it gives them).
+  """
+  forced = os.environ.get(ENV, '').strip()
+  if forced:
+    name, env_k, env_candidates = _from_env(forced)
+    k = env_k if env_k is not None else k
+    candidates = env_candidates if env_candidates is not None else candidates
+  if name not in POLICIES:
+    raise SpecjaxError(f'unknown policy {name!r} (choose from {", ".join(POLICIES)})')
+  cls = {'fixed': Fixed, 'tuner': Tuner, 'load': Load}[name]
+  options = {f.name for f in dataclasses.fields(cls)} - {'name', 'k', 'full', 'candidates'}
+  if forced:
+    kw = {key: v for key, v in kw.items() if key in options}
+  unknown = sorted(set(kw) - options)
+  if unknown:
+    raise SpecjaxError(f'policy {name!r} has no option {", ".join(unknown)} (options: {", ".join(sorted(options))})')
+
+  def depths() -> tuple[int, ...]:
+    if candidates is not None:
+      return check_candidates(candidates, max_depth)
+    return candidates_for(family, block_size=block_size, num_assistant_tokens=num_assistant_tokens,
+                          max_depth=max_depth)
+
+  if name == 'tuner':
+    return Tuner(depths(), **kw)
+  if k is None:
+    k = depths()[-1]
+  check_candidates([k], max_depth)
+  return Fixed(k) if name == 'fixed' else Load(full=k, **kw)
+
+
+# ---------------------------------------------------------------- trace replay
+
+
+@dataclasses.dataclass
+class Trace:
+  """Per-position acceptance outcomes of a set of sequences (see the module docstring)."""
+  outcomes: list[np.ndarray]  # per sequence [P] int8: ACCEPT / REJECT / UNKNOWN; past the end: UNKNOWN
+  lengths: list[int]  # tokens each sequence emits in decode steps
+  steps: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)  # recorded (K, seconds, live)
+
+  def __post_init__(self):
+    if len(self.outcomes) != len(self.lengths):
+      raise SpecjaxError(f'trace has {len(self.outcomes)} outcome rows for {len(self.lengths)} lengths')
+    if any(n < 0 for n in self.lengths):
+      raise SpecjaxError('trace lengths must be >= 0')
+    self.outcomes = [np.asarray(o, np.int8) for o in self.outcomes]
+
+
+def bernoulli_trace(p, *, rows: int, length: int, seed: int = 0) -> Trace:
+  """A synthetic trace: each position ACCEPT with probability p (a float or [length] per position)."""
+  p = np.broadcast_to(np.asarray(p, np.float64), (length,))
+  draws = np.random.default_rng(seed).random((rows, length)) < p[None, :]
+  return Trace([row.astype(np.int8) for row in draws], [length] * rows)
+
+
+def trace_from_stats(results: Sequence[Any], stats: Any) -> Trace:
+  """The trace of one speculative `Engine.generate` call (results, stats)."""
+  ks = [k for k, _, _ in stats.steps]
+  if any(k < 1 for k in ks):
+    raise SpecjaxError('the recording has autoregressive steps (K = 0); record with a drafter and K >= 1')
+  outcomes, lengths = [], []
+  for i, r in enumerate(results):
+    if r.spec is None:
+      raise SpecjaxError(f'result {i} has no speculative metrics; record with a drafter')
+    accepted = r.spec.accepted_per_step
+    if len(accepted) > len(ks):
+      raise SpecjaxError(f'result {i} has {len(accepted)} steps, the stats {len(ks)}: not from one generate call')
+    row = []
+    for a, k in zip(accepted, ks):
+      row += [ACCEPT] * a + [REJECT if a < k else UNKNOWN]
+    length = max(len(r.tokens) - 1, 0)  # the first token comes from prefill
+    if accepted and not len(row) - accepted[-1] - 1 < length <= len(row):
+      raise SpecjaxError(f'result {i}: {length} decode tokens do not match its accepted counts')
+    outcomes.append(np.asarray(row, np.int8))
+    lengths.append(length)
+  return Trace(outcomes, lengths, list(stats.steps))
+
+
+class StepCosts:
+  """Step seconds from recorded (K, seconds, live): the mean per (K, live).
+
+  Elsewhere: per recorded K linear in live between recorded lives (constant
+  past them), then linear in K between recorded Ks (extrapolated from the end
+  segments).
+  """
+
+  def __init__(self, steps: Sequence[tuple[int, float, int]]):
+    sums: dict[tuple[int, int], list[float]] = {}
+    for k, s, live in steps:
+      sums.setdefault((int(k), int(live)), []).append(float(s))
+    self.table = {key: float(np.mean(v)) for key, v in sums.items()}
+    self.ks = sorted({k for k, _ in self.table})
+
+  def __call__(self, k: int, live: int) -> float:
+    if (k, live) in self.table:
+      return self.table[k, live]
+    if not self.table:
+      raise SpecjaxError('the trace has no recorded step times; pass cost=(k, live) -> seconds')
+    at_live = []
+    for kk in self.ks:
+      lives = sorted(l for kj, l in self.table if kj == kk)
+      at_live.append(np.interp(live, lives, [self.table[kk, l] for l in lives]))
+    if k in self.ks:
+      return float(at_live[self.ks.index(k)])
+    if len(self.ks) < 2:
+      raise SpecjaxError(f'the trace records step times for K={self.ks[0]} only; pass cost= to simulate K={k}')
+    t = _linear(np.array([k], np.float64), np.asarray(self.ks, np.float64), np.asarray(at_live))[0]
+    return float(max(t, 0.1 * min(at_live)))
+
+
+@dataclasses.dataclass
+class SimResult:
+  tokens: int  # emitted by decode steps (each sequence's first token, from prefill, not counted)
+  seconds: float
+  ks: list[int]  # K of each step
+  live: list[int]  # live sequences at each step
+  step_s: list[float]
+  accepted: list[list[int]]  # per sequence, drafts accepted at each of its steps
+  emitted: list[int]  # per sequence
+
+  @property
+  def steps(self) -> int:
+    return len(self.ks)
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+  @property
+  def tau(self) -> float:
+    """Tokens per sequence per step (the bonus / correction token counted)."""
+    row_steps = sum(self.live)
+    return self.tokens / row_steps if row_steps else 0.0
+
+
+def _accepted(outcomes: np.ndarray, pos: int, k: int, unknown_accepts: bool) -> int:
+  window = np.full(k, UNKNOWN, np.int8)
+  seen = outcomes[pos:pos + k]
+  window[:len(seen)] = seen
+  ok = (window == ACCEPT) | (unknown_accepts & (window == UNKNOWN))
+  return int(np.cumprod(ok).sum())
+
+
+def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
+             cost: Callable[[int, int], float] | None = None, censored: str = 'reject') -> SimResult:
+  """Replays `trace` under `policy`, no model involved.
+
+  Sequences run in consecutive static batches of `batch` (default: all at
+  once, like one `generate` call), each batch with a fresh policy state. Step
+  seconds come from `cost(k, live)`, or else from the trace's recording: the
+  recorded seconds while the replay follows the recording (same K and live at
+  each step so far, all sequences in one batch), `StepCosts` after.
+  `censored`: 'reject' or 'accept', how UNKNOWN positions replay.
+  """
+  if censored not in ('reject', 'accept'):
+    raise SpecjaxError(f"censored must be 'reject' or 'accept', got {censored!r}")
+  n = len(trace.lengths)
+  batch = n if batch is None else batch
+  if batch < 1:
+    raise SpecjaxError(f'batch must be at least 1, got {batch}')
+  step_cost = cost or StepCosts(trace.steps)
+  recorded = trace.steps if cost is None and batch >= n else []
+  on_path = True
+  out = SimResult(0, 0.0, [], [], [], [[] for _ in range(n)], [0] * n)
+  for start in range(0, n, batch):
+    rows = range(start, min(start + batch, n))
+    pos = [0] * n
+    state = policy.init()
+    while True:
+      live_rows = [i for i in rows if pos[i] < trace.lengths[i]]
+      if not live_rows:
+        break
+      live = len(live_rows)
+      k = policy.choose(state, live)
+      if k not in policy.candidates:
+        raise SpecjaxError(f'policy {policy.name} chose K={k}, not among its candidates {policy.candidates}')
+      accepted = np.array([_accepted(trace.outcomes[i], pos[i], k, censored == 'accept') for i in live_rows])
+      for i, a in zip(live_rows, accepted):
+        emitted = min(int(a) + 1, trace.lengths[i] - pos[i])
+        pos[i] += emitted
+        out.emitted[i] += emitted
+        out.accepted[i].append(int(a))
+      t = len(out.ks)
+      on_path = on_path and t < len(recorded) and recorded[t][0] == k and recorded[t][2] == live
+      step_s = recorded[t][1] if on_path else step_cost(k, live)
+      state = policy.observe(state, k, accepted, step_s, live)
+      out.ks.append(k)
+      out.live.append(live)
+      out.step_s.append(step_s)
+  out.tokens = sum(out.emitted)
+  out.seconds = float(sum(out.step_s))
+  return out
+
+
+def oracle_best_fixed(trace: Trace, candidates: Sequence[int], *, batch: int | None = None,
+                      cost: Callable[[int, int], float] | None = None,
+                      censored: str = 'reject') -> tuple[int, dict[int, float]]:
+  """The fixed K with the most simulated tokens/s (ties: the smaller K), and tokens/s per K."""
+  rates = {k: simulate(Fixed(k), trace, batch=batch, cost=cost, censored=censored).tokens_per_s
+           for k in sorted(set(candidates))}
+  return max(rates, key=lambda k: (rates[k], -k)), rates
+
+
+def regret(policy_tokens_per_s: float, oracle_tokens_per_s: float) -> float:
+  """Fraction of the oracle's throughput the policy loses (negative: it beat the oracle)."""
+  if oracle_tokens_per_s <= 0:
+    raise SpecjaxError(f'oracle throughput must be positive, got {oracle_tokens_per_s}')
+  return 1.0 - policy_tokens_per_s / oracle_tokens_per_s

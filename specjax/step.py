@@ -43,15 +43,41 @@ def propose_phase(graphdef, params, dparams, state, *, drafter, k: int, sampling
   return dataclasses.replace(state, cache=prop.cache, drafter=prop.state), prop
 
 
+def verify_widths(k: int) -> tuple[int, ...]:
+  """Verify widths a step may use when drafts can be short: 1, 2, 4, ... and K + 1."""
+  return tuple(sorted({w for w in (1, 2, 4, 8, 16) if w < k + 1} | {k + 1}))
+
+
+def _verify_width(target, state, prop, sampling, taps_layers, width: int, k: int):
+  """Target pass over the first `width` positions of [last, drafts]; outputs padded to K + 1."""
+  block = jnp.concatenate([state.last_tokens[:, None], prop.drafts[:, :width - 1]], axis=1)  # [B, W]
+  hidden, cache, taps = target.forward(
+      block, state.cache, jnp.where(state.active, width, 0).astype(jnp.int32), taps=taps_layers)
+  logits = target.logits(hidden).astype(jnp.float32)  # [B, W, V]
+  q = None if prop.q is None else prop.q[:, :width - 1]
+  n_accepted, out = verify(logits, prop.drafts[:, :width - 1], jnp.minimum(prop.draft_lens, width - 1), q,
+                           sampling, state.seq_ids, state.cache.lengths + 1)
+  pad = ((0, 0), (0, k + 1 - width))
+  return n_accepted, jnp.pad(out, pad), cache, tuple(jnp.pad(t, pad + ((0, 0),)) for t in taps)
+
+
 def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k: int, sampling):
-  """Verifies a proposal in one target pass and commits what each row accepted."""
+  """Verifies a proposal in one target pass and commits what each row accepted.
+
+  Drafters whose drafts can be short (n-gram) verify only as many positions as
+  the longest draft needs, rounded up to a width in `verify_widths` (chosen on
+  device with `lax.switch`): a step without any draft costs a decode step.
+  """
   target = nnx.merge(graphdef, params)
   old_len = state.cache.lengths
-  block = jnp.concatenate([state.last_tokens[:, None], prop.drafts], axis=1)  # [B, K + 1]
-  hidden, cache, taps = target.forward(
-      block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32), taps=drafter.taps)
-  logits = target.logits(hidden).astype(jnp.float32)  # [B, K + 1, V]
-  n_accepted, out = verify(logits, prop.drafts, prop.draft_lens, prop.q, sampling, state.seq_ids, old_len + 1)
+  branch = lambda w: lambda: _verify_width(target, state, prop, sampling, drafter.taps, w, k)
+  if drafter.variable_length:
+    widths = verify_widths(k)
+    need = jnp.max(jnp.where(state.active, prop.draft_lens, 0)) + 1
+    index = jnp.searchsorted(jnp.asarray(widths), need)
+    n_accepted, out, cache, taps = jax.lax.switch(index, [branch(w) for w in widths])
+  else:
+    n_accepted, out, cache, taps = branch(k + 1)()
 
   steps = jnp.arange(k + 1)
   is_eos = jnp.any(out[..., None] == eos_ids[None, None, :], axis=-1) & (steps[None, :] <= n_accepted[:, None])

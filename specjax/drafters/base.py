@@ -62,6 +62,7 @@ class Drafter:
   name: str = 'drafter'
   taps: tuple[int, ...] = ()
   provides_q: bool = False  # True when propose returns q at temperature > 0
+  variable_length: bool = False  # drafts may be shorter than K (verify only what is needed)
   max_depth: int = 16
 
   def params(self) -> Any:

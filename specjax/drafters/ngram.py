@@ -22,6 +22,7 @@ class NgramDrafter(Drafter):
   n_min: int = 1
   n_max: int = 3
   name: str = 'ngram'
+  variable_length: bool = True
 
   def __post_init__(self):
     if not 1 <= self.n_min <= self.n_max:

@@ -1,0 +1,289 @@
+"""Draft-depth policies: fixed, load, tuner, the env override and the trace-replay simulator."""
+
+import collections
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+from specjax import SpecjaxError
+from specjax.drafters import NgramDrafter
+from specjax.policies import (ACCEPT, ENV, REJECT, UNKNOWN, Fixed, Load, StepCosts, Trace, Tuner,
+                              bernoulli_trace, candidates_for, make_policy, oracle_best_fixed, regret,
+                              simulate, trace_from_stats)
+
+CHEAP_VERIFY = lambda k, live: 1e-3 * (1 + 0.05 * k)  # a deeper block costs little more
+
+
+@pytest.fixture(autouse=True)
+def no_env_override(monkeypatch):
+  monkeypatch.delenv(ENV, raising=False)
+
+
+def mode(ks):
+  return collections.Counter(ks).most_common(1)[0][0]
+
+
+# ---------------------------------------------------------------- candidates and construction
+
+
+def test_candidates_per_family_and_caps():
+  assert candidates_for('mtp') == (2, 3, 4, 6)
+  assert candidates_for('gemma4-assistant') == (2, 3, 4, 6)  # num_assistant_tokens absent: cap 6
+  assert candidates_for('gemma4-assistant', num_assistant_tokens=4) == (2, 3, 4)
+  assert candidates_for('gemma4-assistant', num_assistant_tokens=1) == (1,)
+  assert candidates_for('dflash') == (3, 5, 7)
+  assert candidates_for('dflash', block_size=16) == (3, 5, 7)  # min(15, 7)
+  assert candidates_for('dflash', block_size=6) == (3, 5)
+  assert candidates_for('dflash', block_size=5) == (3, 4)  # the cap itself is a candidate
+  assert candidates_for('dflash', block_size=3) == (2,)
+  for family in ('ngram', 'draft-model', 'layer-skip'):
+    assert candidates_for(family) == (2, 4, 6, 8)
+  assert candidates_for('ngram', max_depth=5) == (2, 4, 5)
+  assert candidates_for('mtp', max_depth=3) == (2, 3)
+
+
+@pytest.mark.parametrize('call, match', [
+    (lambda: candidates_for('eagle9'), 'unknown drafter family'),
+    (lambda: candidates_for('dflash', block_size=1), 'block_size'),
+    (lambda: candidates_for('gemma4-assistant', num_assistant_tokens=0), 'num_assistant_tokens'),
+    (lambda: candidates_for('ngram', max_depth=0), 'max_depth'),
+    (lambda: make_policy('tuner', family='ngram', candidates=(2, 9)), 'outside the drafter'),
+    (lambda: make_policy('tuner', family='ngram', candidates=(0, 2)), 'outside the drafter'),
+    (lambda: make_policy('tuner', family='ngram', candidates=()), 'outside the drafter'),
+    (lambda: make_policy('fixed', family='ngram', k=5, max_depth=4), 'outside the drafter'),
+    (lambda: make_policy('load', family='mtp', k=0), 'outside the drafter'),
+    (lambda: make_policy('bandit', family='ngram'), 'unknown policy'),
+    (lambda: make_policy('tuner', family='ngram', threshold=4), 'no option threshold'),
+    (lambda: Tuner(()), 'candidate'),
+    (lambda: Tuner((2, 4), explore_every=1), 'explore_every'),
+    (lambda: Tuner((2, 4), alpha=0.0), 'alpha'),
+    (lambda: Fixed(0), 'K >= 1'),
+    (lambda: Load(full=4, reduced=0), 'reduced'),
+])
+def test_bad_input_raises(call, match):
+  with pytest.raises(SpecjaxError, match=match):
+    call()
+
+
+def test_make_policy_defaults():
+  assert make_policy('fixed', family='ngram') == Fixed(8)
+  assert make_policy('fixed', family='mtp', k=3) == Fixed(3)
+  assert make_policy('tuner', family='dflash', block_size=16).candidates == (3, 5, 7)
+  assert make_policy('tuner', family='ngram', candidates=(6, 2, 2)).candidates == (2, 6)
+  tuner = make_policy('tuner', family='mtp', explore_every=8, alpha=0.2)
+  assert (tuner.candidates, tuner.explore_every, tuner.alpha) == ((2, 3, 4, 6), 8, 0.2)
+  assert make_policy('load', family='gemma4-assistant', num_assistant_tokens=5) == Load(full=5)
+  assert make_policy('load', family='ngram', k=6, threshold=4) == Load(full=6, threshold=4)
+
+
+def test_env_override_forces_a_policy(monkeypatch):
+  monkeypatch.setenv(ENV, 'fixed:4')
+  assert make_policy('tuner', family='ngram', explore_every=8) == Fixed(4)  # tuner options dropped
+  monkeypatch.setenv(ENV, 'fixed')
+  assert make_policy('tuner', family='mtp') == Fixed(6)
+  assert make_policy('load', family='mtp', k=3) == Fixed(3)
+  monkeypatch.setenv(ENV, 'tuner')
+  assert make_policy('fixed', family='mtp', k=4).candidates == (2, 3, 4, 6)
+  monkeypatch.setenv(ENV, 'tuner:5,2')
+  assert make_policy('fixed', family='ngram').candidates == (2, 5)
+  monkeypatch.setenv(ENV, 'load')
+  assert make_policy('fixed', family='dflash', block_size=8) == Load(full=7)
+  monkeypatch.setenv(ENV, 'LOAD:6')
+  assert make_policy('tuner', family='ngram', threshold=2) == Load(full=6, threshold=2)
+  for bad in ('greedy', 'fixed:x', 'fixed:2,4', 'load:1,2'):
+    monkeypatch.setenv(ENV, bad)
+    with pytest.raises(SpecjaxError, match=ENV):
+      make_policy('tuner', family='ngram')
+  monkeypatch.setenv(ENV, 'fixed:12')
+  with pytest.raises(SpecjaxError, match='outside the drafter'):
+    make_policy('tuner', family='ngram')
+
+
+# ---------------------------------------------------------------- fixed and load
+
+
+def test_fixed_and_load_rules():
+  assert Fixed(5).candidates == (5,) and Fixed(5).choose((), 100) == 5
+  load = Load(full=7)
+  assert load.candidates == (3, 7)
+  assert [load.choose(load.init(), live) for live in (1, 8, 9, 64)] == [7, 7, 3, 3]
+  small = Load(full=2)
+  assert small.candidates == (2,) and small.choose((), 50) == 2
+  custom = Load(full=6, reduced=1, threshold=2)
+  assert [custom.choose((), live) for live in (2, 3)] == [6, 1]
+  # In replay the load rule follows the live batch as sequences finish.
+  trace = bernoulli_trace(0.7, rows=12, length=40, seed=0)
+  trace.lengths = [10 * (i + 1) for i in range(12)]
+  sim = simulate(load, trace, cost=CHEAP_VERIFY)
+  assert all(k == (7 if live <= 8 else 3) for k, live in zip(sim.ks, sim.live))
+  assert {3, 7} <= set(sim.ks)
+
+
+# ---------------------------------------------------------------- tuner
+
+
+def test_tuner_estimates_from_observed_positions():
+  tuner = Tuner((2, 4))
+  state = tuner.observe(tuner.init(), 2, np.array([0, 1, 2, 2]), 1e-3, 4)
+  # Position 1 reached by 4 rows, accepted by 3; position 2 reached by 3, accepted by 2.
+  np.testing.assert_allclose(tuner.acceptance(state), [3 / 4, 2 / 3, 2 / 3, 2 / 3])
+  a1, a2 = 3 / 4, 2 / 3
+  want = [1 + a1 + a1 * a2, 1 + a1 + a1 * a2 + a1 * a2 ** 2 + a1 * a2 ** 3]
+  np.testing.assert_allclose(tuner.expected_tokens(state), want)
+  # Later observations move the estimate by the EMA weight of each reaching row.
+  state = tuner.observe(state, 4, np.array([0]), 1e-3, 1)
+  w = 1 - (1 - tuner.alpha)
+  np.testing.assert_allclose(tuner.acceptance(state)[0], a1 + w * (0 - a1))
+
+
+def test_tuner_step_times_interpolate_in_k_and_follow_live():
+  tuner = Tuner((2, 4, 6, 8))
+  state = tuner.init()
+  state = tuner.observe(state, 2, np.array([0]), 1.2, 1)
+  state = tuner.observe(state, 4, np.array([0]), 1.4, 1)
+  np.testing.assert_allclose(tuner.step_times(state, 1), [1.2, 1.4, 1.6, 1.8])
+  np.testing.assert_allclose(tuner.step_times(state, 16), [1.2, 1.4, 1.6, 1.8])  # no data there: borrowed
+  state = tuner.observe(state, 4, np.zeros(16, int), 2.8, 16)
+  np.testing.assert_allclose(tuner.step_times(state, 16), [2.4, 2.8, 3.2, 3.6])  # the shape, scaled
+  np.testing.assert_allclose(tuner.step_times(state, 1), [1.2, 1.4, 1.6, 1.8])
+
+
+def test_observe_returns_a_new_state():
+  tuner = Tuner((2, 4))
+  state = tuner.init()
+  for k, acc in [(4, [4, 1]), (2, [0, 2])]:
+    before = copy.deepcopy(state)
+    new = tuner.observe(state, k, np.array(acc), 1e-3, 2)
+    for field in ('accept', 'accept_n', 'step_s', 'step_n', 'last_tried'):
+      np.testing.assert_array_equal(getattr(state, field), getattr(before, field))
+    assert state.step == before.step and new.step == state.step + 1
+    state = new
+  with pytest.raises(SpecjaxError, match='not a candidate'):
+    tuner.observe(state, 3, np.array([0]), 1e-3, 1)
+
+
+def test_tuner_warms_up_deepest_first_then_explores_on_schedule():
+  tuner = Tuner((2, 4, 6, 8), explore_every=8)
+  sim = simulate(tuner, bernoulli_trace(0.3, rows=2, length=300, seed=0), cost=CHEAP_VERIFY)
+  assert sim.ks[:4] == [8, 6, 4, 2]
+  exploit = [k for t, k in enumerate(sim.ks[4:], 4) if (t + 1) % 8]
+  assert exploit.count(2) > 0.8 * len(exploit)
+  explored = [sim.ks[t] for t in range(7, len(sim.ks), 8)]
+  assert explored[:2] == [8, 6] and set(explored) == {4, 6, 8}  # least recently tried first
+
+
+@pytest.mark.parametrize('p, best', [(0.9, 8), (0.3, 2)])
+def test_tuner_converges_to_the_best_depth(p, best):
+  trace = bernoulli_trace(p, rows=4, length=400, seed=1)
+  tuner = Tuner(candidates_for('ngram'))
+  sim = simulate(tuner, trace, cost=CHEAP_VERIFY)
+  oracle, rates = oracle_best_fixed(trace, tuner.candidates, cost=CHEAP_VERIFY)
+  assert oracle == best
+  assert mode(sim.ks[len(sim.ks) // 4:]) == best
+  assert set(sim.ks) <= set(tuner.candidates)
+  assert regret(sim.tokens_per_s, rates[oracle]) < 0.05
+
+
+def test_tuner_moves_when_acceptance_shifts():
+  p = np.r_[np.full(300, 0.9), np.full(300, 0.2)]  # easy text, then hard
+  sim = simulate(Tuner(candidates_for('ngram')), bernoulli_trace(p, rows=4, length=600, seed=2),
+                 cost=CHEAP_VERIFY)
+  pos = np.cumsum([0] + [a + 1 for a in sim.accepted[0][:-1]])  # row 0's position before each step
+  easy = [k for k, at in zip(sim.ks, pos) if 20 < at < 280]
+  hard = [k for k, at in zip(sim.ks, pos) if at > 400]
+  assert mode(easy) == 8 and mode(hard) == 2
+
+
+def test_tuner_uses_shallower_drafts_under_load():
+  cost = lambda k, live: 1e-3 * (1 + 0.02 * k * live)  # verify grows with K x live rows
+  trace = bernoulli_trace(0.8, rows=16, length=1200, seed=3)
+  trace.lengths = [75 * (i + 1) for i in range(16)]  # rows finish one by one
+  sim = simulate(Tuner(candidates_for('ngram')), trace, cost=cost)
+  high = [k for k, live in zip(sim.ks, sim.live) if live >= 9]
+  low = [k for k, live in zip(sim.ks, sim.live) if live <= 6]
+  assert mode(high) == 2 and mode(low) >= 6
+
+
+def test_simulation_is_deterministic():
+  trace = bernoulli_trace(np.linspace(0.9, 0.2, 500), rows=3, length=500, seed=4)
+  a, b = (simulate(Tuner((2, 3, 4, 6)), trace, cost=CHEAP_VERIFY) for _ in range(2))
+  assert a == b
+  assert bernoulli_trace(0.5, rows=2, length=50, seed=9).outcomes[1].tolist() == \
+      bernoulli_trace(0.5, rows=2, length=50, seed=9).outcomes[1].tolist()
+
+
+# ---------------------------------------------------------------- replay model
+
+
+def test_replay_walks_positions():
+  a, r, u = ACCEPT, REJECT, UNKNOWN
+  trace = Trace([[a, a, a, r, a, u, a, r]], [8])
+  sim = simulate(Fixed(2), trace, cost=CHEAP_VERIFY)
+  # p=0: a a -> 2 accepted, bonus at 2; p=3: r -> 0; p=4: a u -> 1; p=6: a r -> 1, then the budget ends.
+  assert sim.accepted == [[2, 0, 1, 1]] and sim.emitted == [8]
+  assert sim.tokens == 8 and sim.steps == 4 and sim.tau == 2.0
+  assert simulate(Fixed(2), trace, cost=CHEAP_VERIFY, censored='accept').accepted == [[2, 0, 2, 0]]
+  # Past the stored outcomes is unknown: the last step may report more accepted than it emits.
+  short = Trace([[a, a]], [2])
+  assert simulate(Fixed(4), short, cost=CHEAP_VERIFY).accepted == [[2]]
+  assert simulate(Fixed(4), short, cost=CHEAP_VERIFY, censored='accept').accepted == [[4]]
+  with pytest.raises(SpecjaxError, match='censored'):
+    simulate(Fixed(2), trace, cost=CHEAP_VERIFY, censored='maybe')
+
+
+def test_static_batches_restart_the_policy():
+  trace = bernoulli_trace(0.5, rows=5, length=30, seed=5)
+  sim = simulate(Tuner((2, 4)), trace, batch=2, cost=CHEAP_VERIFY)
+  assert max(sim.live) == 2 and sim.tokens == 150
+  assert sim.ks[:2] == [4, 2]  # the first batch warms up ...
+  second = next(t for t in range(1, len(sim.live)) if sim.live[t] > sim.live[t - 1])
+  assert sim.ks[second:second + 2] == [4, 2]  # ... and so does the next one
+  with pytest.raises(SpecjaxError, match='batch'):
+    simulate(Fixed(2), trace, batch=0, cost=CHEAP_VERIFY)
+
+
+def test_step_costs_from_a_recording():
+  costs = StepCosts([(2, 1.0, 1), (2, 3.0, 1), (4, 3.0, 1), (2, 4.0, 4), (4, 6.0, 4)])
+  assert costs(2, 1) == 2.0 and costs(4, 4) == 6.0
+  assert costs(2, 2) == pytest.approx(2.0 + 2.0 / 3)  # linear in live
+  assert costs(4, 8) == 6.0  # constant past the recorded lives
+  assert costs(3, 1) == pytest.approx(2.5) and costs(6, 4) == pytest.approx(8.0)  # linear in K
+  with pytest.raises(SpecjaxError, match='K=3 only'):
+    StepCosts([(3, 1.0, 1)])(4, 1)
+  with pytest.raises(SpecjaxError, match='no recorded step times'):
+    simulate(Fixed(2), bernoulli_trace(0.5, rows=1, length=5))
+
+
+def test_oracle_and_regret():
+  trace = bernoulli_trace(0.6, rows=2, length=200, seed=6)
+  best, rates = oracle_best_fixed(trace, (2, 4, 6), cost=CHEAP_VERIFY)
+  assert best == max(rates, key=rates.get) and set(rates) == {2, 4, 6}
+  assert regret(rates[best], rates[best]) == 0.0 and regret(50.0, 100.0) == 0.5
+  with pytest.raises(SpecjaxError, match='positive'):
+    regret(1.0, 0.0)
+
+
+# ---------------------------------------------------------------- recorded runs
+
+
+def test_replay_reproduces_a_recorded_run(tiny_model):
+  import specjax
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter())
+  prompts = ['def add(a, b):\n    return a + b\n\ndef add(a, b):\n', 'The cat sat on the mat. The cat', 'Hello']
+  for policy in (Fixed(4), Tuner((2, 4), explore_every=4)):
+    results, stats = engine.generate(prompts, max_new_tokens=24, num_draft=policy)
+    trace = trace_from_stats(results, stats)
+    sim = simulate(policy, trace)
+    assert sim.ks == [k for k, _, _ in stats.steps]
+    assert sim.live == [live for _, _, live in stats.steps]
+    assert sim.step_s == [s for _, s, _ in stats.steps]
+    assert sim.accepted == [r.spec.accepted_per_step for r in results]
+    assert sim.emitted == [len(r.tokens) - 1 for r in results]
+  assert len(set(sim.ks)) == 2  # the tuner ran both depths
+  # Off the recorded path the costs come from the recorded table.
+  other = simulate(Fixed(2), trace)
+  assert other.tokens == sum(len(r.tokens) - 1 for r in results) and other.seconds > 0
+  with pytest.raises(SpecjaxError, match='speculative metrics'):
+    trace_from_stats([dataclasses.replace(results[0], spec=None)], stats)
