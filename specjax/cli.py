@@ -2,6 +2,7 @@
 
   specjax generate -m MODEL --prompt TEXT [--prompt-file F] [--max-new-tokens N]
                    [--temperature T --top-k K --top-p P --min-p M --seed S] [--json]
+  specjax sweep CONFIG [--out DIR] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) 
         'decode_s': stats.decode_s,
         'compile_s': stats.compile_s,
     }
+    if num_draft:
+      timing['step_depths'] = [k for k, _, _ in stats.steps]  # K of every step (policies vary it)
     out = {**rows[0], **timing} if len(rows) == 1 else {'results': rows, **timing}
     out['model'] = model.source
     print(json.dumps(out, ensure_ascii=False))
@@ -117,6 +120,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--ngram-min', type=int, default=1)
   p.add_argument('--ngram-max', type=int, default=3)
   p.add_argument('--layers', type=int, default=None, help='layer-skip: target layers used to draft')
+  p.add_argument('--policy', choices=('fixed', 'tuner', 'load'), default=None,
+                 help='draft-depth policy (default: fixed at --n-predict); SPECJAX_POLICY overrides it')
   p.add_argument('--profile', action='store_true',
                  help='time draft and verify separately (one extra host sync per step)')
 
@@ -151,7 +156,12 @@ def cmd_run(args) -> int:
   if args.max_new_tokens < 1:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
   model, engine = load_engine(args, with_drafter=True)
-  return _generate_and_print(args, model, engine, prompts, sampling, num_draft=k)
+  depth = k
+  if args.policy or os.environ.get('SPECJAX_POLICY'):
+    from specjax.policies import make_policy
+    depth = make_policy(args.policy or 'fixed', family=engine.drafter.name, k=args.n_predict,
+                        max_depth=engine.max_draft)
+  return _generate_and_print(args, model, engine, prompts, sampling, num_draft=depth)
 
 
 def cmd_bench(args) -> int:
@@ -181,6 +191,15 @@ def cmd_bench(args) -> int:
     print(bench.format_table(rows))
     if sampling.is_greedy:
       print(f"\nspeculative outputs equal autoregressive: {report['outputs_equal']}")
+  return 0
+
+
+def cmd_sweep(args) -> int:
+  from specjax.sweep import run_sweep
+  out = args.out or os.path.join('runs', os.path.splitext(os.path.basename(args.config))[0])
+  report = run_sweep(args.config, out, args.overrides, progress=not args.quiet)
+  print(f"{report['cells_run']} cells run, {report['cells_skipped']} already complete; "
+        f"results in {out}/ (summary.md, results.jsonl, manifest.json, {len(report['plots'])} plots)")
   return 0
 
 
@@ -214,11 +233,24 @@ def build_parser() -> argparse.ArgumentParser:
   bench.add_argument('--json', action='store_true')
   bench.add_argument('--quiet', action='store_true')
   bench.set_defaults(func=cmd_bench)
+  sweep = sub.add_parser('sweep', help='run every cell of a config grid (resumable) into one output directory')
+  sweep.add_argument('config', help='ml_collections config file defining get_config() (see configs/)')
+  sweep.add_argument('overrides', nargs='*', metavar='KEY=VALUE',
+                     help='overrides, e.g. policy.k=4 prompts.limit=2 grid.policy.k=[2,4]')
+  sweep.add_argument('--out', default=None, help='output directory (default: runs/<config file name>)')
+  sweep.add_argument('--quiet', action='store_true', help='no progress bar')
+  sweep.set_defaults(func=cmd_sweep)
   return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args, extra = parser.parse_known_args(argv)
+  if extra:  # sweep overrides may follow its options: `specjax sweep CONFIG --out DIR key=value ...`
+    if args.command == 'sweep' and all('=' in e and not e.startswith('-') for e in extra):
+      args.overrides += extra
+    else:
+      parser.error(f'unrecognized arguments: {" ".join(extra)}')
   try:
     return args.func(args)
   except SpecjaxError as e:

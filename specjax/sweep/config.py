@@ -5,10 +5,10 @@ fields it leaves out keep the defaults of `base_config()`, and a field the
 schema does not have is an error. `grid` holds the axes of the sweep, each a
 non-empty list; every combination of their values is one cell:
 
-  config.grid.drafter.kind = ['ngram', 'layer-skip']        # axis 'drafter.kind'
-  config.grid.policy.k = [2, 4, 6, 8]                       # axis 'policy.k'
+  config.grid.drafter = {'kind': ['ngram', 'layer-skip']}    # axis 'drafter.kind'
+  config.grid.policy = {'k': [2, 4, 6, 8]}                   # axis 'policy.k'
   config.grid.policy = [{'name': 'fixed', 'k': 4}, {'name': 'tuner'}]  # a section axis: partial updates
-  config.grid.category = ['coding', 'math_reasoning']       # shorthand for prompts.categories = [c]
+  config.grid.category = ['coding', 'math_reasoning']        # shorthand for prompts.categories = [c]
 
 Overrides are `key=value` strings (`value` read with `ast.literal_eval`, else
 kept as a string): `policy.k=4` fixes a key in every cell (removing an axis of
@@ -64,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
       },
       'batch_size': 1,  # prompts per generate call (batches never mix categories)
       'page_size': 16,
-      'warmup': True,  # one short untimed generate before each engine / policy's first batch
+      'warmup': True,  # a batch whose run compiled an executable runs again, and the rerun is timed
       'grid': {},
   })
 

@@ -1,0 +1,348 @@
+"""Runs a sweep: every cell of the grid, resumable, into one output directory.
+
+Per cell: the model, drafter and `Engine` come from caches shared across cells
+(one engine per (model, drafter, page size), sized for the largest K any cell
+asks of it). Prompts run `batch_size` at a time (never mixing categories), each
+request keyed by its row in the prompt file, so its random draws do not depend
+on the batch. Every batch is also decoded autoregressively once per (prompts,
+sampling, budget): that baseline is shared by every cell that needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from specjax.bench import Prompt, load_prompts
+from specjax.errors import SpecjaxError
+from specjax.sampling import SamplingParams
+from specjax.sweep import analytics, artifacts, plots as plots_lib
+from specjax.sweep.config import Cell, SweepConfig, expand, resolve, stable_hash
+
+DRAFTER_FIELDS = {'ngram': ('ngram_min', 'ngram_max'), 'layer-skip': ('layers',), 'draft-model': ('draft_model',)}
+
+
+def _sampling(cell: Cell) -> SamplingParams:
+  s = cell.section('sampling')
+  params = SamplingParams(temperature=s['temperature'], top_k=s['top_k'], top_p=s['top_p'], min_p=s['min_p'],
+                          seed=s['seed'])
+  return params.validate()
+
+
+def drafter_key(cell: Cell) -> tuple:
+  d = cell.section('drafter')
+  if d['kind'] not in DRAFTER_FIELDS:
+    from specjax.drafters import DRAFTERS
+    raise SpecjaxError(f'unknown drafter {d["kind"]!r} in cell {cell.label} (choose from {", ".join(DRAFTERS)})')
+  return (d['kind'],) + tuple(d[f] for f in DRAFTER_FIELDS[d['kind']])
+
+
+def drafter_label(cell: Cell) -> str:
+  kind, *fields = drafter_key(cell)
+  if kind == 'ngram':
+    return f'ngram({fields[0]}..{fields[1]})'
+  if kind == 'layer-skip':
+    return f'layer-skip({fields[0] if fields[0] is not None else "auto"})'
+  return f'draft-model({os.path.basename(str(fields[0]).rstrip("/"))})'
+
+
+def _max_depth(kind: str) -> int:
+  from specjax.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+  return {'ngram': NgramDrafter, 'layer-skip': LayerSkipDrafter, 'draft-model': DraftModelDrafter}[kind].max_depth
+
+
+def make_cell_policy(cell: Cell):
+  """The cell's depth policy, checked against its drafter's depth limit."""
+  from specjax import policies
+  if os.environ.get(policies.ENV):
+    raise SpecjaxError(f'{policies.ENV} is set; a sweep takes its policies from the config '
+                       '(policy.* or grid.policy): unset it')
+  p, kind = cell.section('policy'), drafter_key(cell)[0]
+  return policies.make_policy(p['name'], family=kind, candidates=tuple(p['candidates']) or None, k=p['k'],
+                              max_depth=_max_depth(kind))
+
+
+def policy_label(cell: Cell) -> str:
+  p = cell.section('policy')
+  if p['name'] == 'fixed':
+    return f"K={p['k']}"
+  return p['name'] + (f"{{{','.join(map(str, p['candidates']))}}}" if p['candidates'] else '')
+
+
+def setting_label(cell: Cell) -> str:
+  """The drafter plus every other varying value except the policy and the category."""
+  parts = [drafter_label(cell)]
+  for axis, value in cell.values.items():
+    if axis.startswith(('policy', 'drafter', 'prompts.categories')) or axis == 'category':
+      continue
+    name = {'sampling.temperature': 'T', 'batch_size': 'B'}.get(axis, axis)
+    parts.append(f'{name}={value}' if not isinstance(value, dict) else f'{name}={{{",".join(map(str, value.values()))}}}')
+  return ' '.join(parts)
+
+
+def _check_cell(cell: Cell) -> None:
+  c = cell.config
+  drafter_key(cell)
+  _sampling(cell)
+  for key, low in (('max_new_tokens', 1), ('batch_size', 1), ('page_size', 1)):
+    if c[key] < low:
+      raise SpecjaxError(f'{key} must be at least {low}, got {c[key]} (cell {cell.label})')
+  if c['page_size'] & (c['page_size'] - 1):
+    raise SpecjaxError(f'page_size must be a power of two, got {c["page_size"]}')
+  d = cell.section('drafter')
+  if d['kind'] == 'draft-model' and not d['draft_model']:
+    raise SpecjaxError('drafter.kind=draft-model needs drafter.draft_model')
+  if d['kind'] == 'ngram' and not 1 <= d['ngram_min'] <= d['ngram_max']:
+    raise SpecjaxError(f'ngram sizes need 1 <= ngram_min <= ngram_max, got {d["ngram_min"]}, {d["ngram_max"]}')
+  if d['kind'] == 'layer-skip' and d['layers'] is not None and d['layers'] < 1:
+    raise SpecjaxError(f'drafter.layers must be at least 1, got {d["layers"]}')
+
+
+class _Prompts:
+  """Prompt files, read once; a request id is the prompt's row in its file."""
+
+  def __init__(self):
+    self._files: dict[str, tuple[list[Prompt], dict]] = {}
+
+  def select(self, cell: Cell) -> list[tuple[int, Prompt]]:
+    p = cell.section('prompts')
+    path = p['path']
+    if path not in self._files:
+      rows = load_prompts(path)
+      self._files[path] = (rows, {(r.category, r.id): i for i, r in enumerate(rows)})
+    rows, index = self._files[path]
+    chosen = load_prompts(path, p['categories'] or None, p['limit'])
+    if not chosen:
+      raise SpecjaxError(f'cell {cell.label} selects no prompts from {path}')
+    return [(index[(r.category, r.id)], r) for r in chosen]
+
+
+def batches(selected: list[tuple[int, Prompt]], size: int) -> list[list[tuple[int, Prompt]]]:
+  """Consecutive groups of `size` prompts, one category per group."""
+  by_cat: dict[str, list] = {}
+  for item in selected:
+    by_cat.setdefault(item[1].category, []).append(item)
+  return [rows[i:i + size] for rows in by_cat.values() for i in range(0, len(rows), size)]
+
+
+class _Workbench:
+  """Models, drafters and engines, built once and shared by the cells."""
+
+  def __init__(self, cells: list[Cell], cell_policies: dict[str, Any]):
+    self.models: dict[tuple, Any] = {}
+    self.engines: dict[tuple, Any] = {}
+    self.max_draft: dict[tuple, int] = {}
+    for cell in cells:
+      key = self.engine_key(cell)
+      self.max_draft[key] = max(self.max_draft.get(key, 1), *cell_policies[cell.id].candidates)
+
+  @staticmethod
+  def engine_key(cell: Cell, baseline: bool = False) -> tuple:
+    c = cell.config
+    return (c['model'], c['attention_impl'], c['page_size'], None if baseline else drafter_key(cell))
+
+  def model(self, spec: str, attention_impl: str):
+    key = (spec, attention_impl)
+    if key not in self.models:
+      import specjax
+      self.models[key] = specjax.load(spec, attention_impl=attention_impl)
+    return self.models[key]
+
+  def engine(self, cell: Cell, baseline: bool = False):
+    key = self.engine_key(cell, baseline)
+    if key not in self.engines:
+      import specjax
+      from specjax.drafters import make_drafter
+      model_spec, impl, page_size, dkey = key
+      model = self.model(model_spec, impl)
+      drafter = None
+      if dkey is not None:
+        d = cell.section('drafter')
+        draft = self.model(d['draft_model'], impl) if d['kind'] == 'draft-model' else None
+        drafter = make_drafter(d['kind'], model, draft_model=draft, ngram_min=d['ngram_min'],
+                               ngram_max=d['ngram_max'], layers=d['layers'])
+      self.engines[key] = specjax.Engine(model, page_size=page_size, drafter=drafter,
+                                         max_draft=self.max_draft.get(key, 1))
+    return self.engines[key]
+
+
+def _row_record(row: int, result, stats, prompt: Prompt, request_id: int, base: dict) -> dict:
+  spec = result.spec
+  n = spec.target_steps if spec else max(len(result.tokens) - 1, 0)
+  steps = stats.steps[:n]  # a row is live for a prefix of the batch's steps
+  record = {
+      **base,
+      'category': prompt.category,
+      'prompt_id': prompt.id,
+      'request_id': request_id,
+      'row': row,
+      'prompt_tokens': result.prompt_tokens,
+      'tokens': [int(t) for t in result.tokens],
+      'finish_reason': result.finish_reason,
+      'k_per_step': [int(k) for k, _, _ in steps],
+      'step_s': [float(s) for _, s, _ in steps],
+      'live_per_step': [int(live) for _, _, live in steps],
+      'decode_s': stats.decode_s,
+      'prefill_s': stats.prefill_s,
+      'compile_s': stats.compile_s,
+      'batch_rows': stats.rows,
+      'batch_decode_tokens': stats.generated_tokens - stats.rows,
+  }
+  if spec is not None:
+    record.update({
+        'accepted_per_step': [int(a) for a in spec.accepted_per_step],
+        'target_steps': spec.target_steps,
+        'drafted': spec.drafted,
+        'accepted': spec.accepted,
+        'emitted': spec.emitted,
+        'tau': spec.tau,
+        'acceptance_rate': spec.acceptance_rate,
+        'position_acceptance': spec.position_acceptance,
+        'conditional_acceptance': spec.conditional_acceptance,
+    })
+  return record
+
+
+class _Progress:
+  def __init__(self, total: int, enabled: bool):
+    self.bar = None
+    if enabled and total:
+      from tqdm import tqdm
+      self.bar = tqdm(total=total, file=sys.stderr, unit='batch', dynamic_ncols=True, leave=True)
+
+  def step(self, text: str) -> None:
+    if self.bar:
+      self.bar.set_description_str(text[:60], refresh=False)
+      self.bar.update(1)
+
+  def close(self) -> None:
+    if self.bar:
+      self.bar.close()
+
+
+def prepare(config, overrides=None) -> tuple[SweepConfig, list[Cell], dict]:
+  """Resolves and checks a sweep before any model is loaded: (sweep, cells, policies by cell id)."""
+  sweep = resolve(config, overrides)
+  cells = expand(sweep)
+  if not cells:
+    raise SpecjaxError('the sweep has no cells')
+  prompts = _Prompts()
+  policies = {}
+  for cell in cells:
+    _check_cell(cell)
+    policies[cell.id] = make_cell_policy(cell)
+    prompts.select(cell)
+  return sweep, cells, policies
+
+
+def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, make_plots: bool = True) -> dict:
+  """Runs every unfinished cell of `config` (a file path, ConfigDict or SweepConfig) into `out_dir`.
+
+  Writes manifest.json, results.jsonl, summary.md and the plots; returns
+  {'out_dir', 'manifest', 'analysis', 'cells_run', 'cells_skipped', 'plots'}.
+  Cells already complete in `out_dir` are skipped; an `out_dir` holding another
+  config's results is refused (SpecjaxError), never overwritten.
+  """
+  sweep, cells, cell_policies = prepare(config, overrides)
+  prompts_path = sweep.base['prompts.path']
+  prompts_sha = artifacts.file_sha256(prompts_path)
+  manifest = artifacts.check_out_dir(out_dir, sweep.hash, prompts_sha)
+  os.makedirs(out_dir, exist_ok=True)
+  started = artifacts.now()
+  run_info = {'started': started, 'git': artifacts.git_info(), 'device': artifacts.device_description(),
+              'versions': artifacts.package_versions()}
+  if manifest is None:
+    manifest = {
+        'name': sweep.base['name'],
+        'config_hash': sweep.hash,
+        'source': sweep.source,
+        'overrides': sweep.pinned,
+        'config': sweep.to_dict(),
+        'prompts_sha256': prompts_sha,
+        'num_cells': len(cells),
+        'cells': [{'id': c.id, 'label': c.label, 'values': c.values} for c in cells],
+        'seeds': sorted({c.config['sampling.seed'] for c in cells}),
+        'started': started,
+        'finished': None,
+        'runs': [],
+    }
+  manifest.update({k: run_info[k] for k in ('git', 'device', 'versions')})
+  manifest['runs'].append(run_info)
+  artifacts.write_json(os.path.join(out_dir, artifacts.MANIFEST), manifest)
+
+  log = artifacts.ResultsLog(out_dir)
+  pending = [c for c in cells if c.id not in log.done_cells]
+  prompts = _Prompts()
+  plan = {c.id: batches(prompts.select(c), c.config['batch_size']) for c in pending}
+  bar = _Progress(sum(len(b) for b in plan.values()), progress)
+  bench = _Workbench(cells, cell_policies)
+  try:
+    for cell in pending:
+      t_cell = time.perf_counter()
+      policy = cell_policies[cell.id]
+      sampling = _sampling(cell)
+      budget = cell.config['max_new_tokens']
+      engine = bench.engine(cell)
+      for b, batch in enumerate(plan[cell.id]):
+        ids = [rid for rid, _ in batch]
+        texts = [p.text for _, p in batch]
+        baseline_id = _baseline(bench, log, cell, batch, sampling)
+        results, stats = _generate(engine, cell, texts, ids, sampling, policy)
+        base = {'type': 'request', 'cell': cell.id, 'baseline': baseline_id, 'batch': b}
+        for row, ((rid, prompt), result) in enumerate(zip(batch, results)):
+          log.write(_row_record(row, result, stats, prompt, rid, base))
+        bar.step(f'{cell.label} [{b + 1}/{len(plan[cell.id])}]')
+      log.mark_cell({'cell': cell.id, 'values': cell.values, 'label': cell.label, 'drafter': drafter_label(cell),
+                     'setting': setting_label(cell), 'policy': policy_label(cell),
+                     'policy_name': cell.config['policy.name'], 'policy_k': cell.config['policy.k'],
+                     'family': drafter_key(cell)[0],
+                     'k': cell.config['policy.k'] if cell.config['policy.name'] == 'fixed' else None,
+                     'candidates': list(policy.candidates), 'greedy': sampling.is_greedy,
+                     'seconds': time.perf_counter() - t_cell})
+  finally:
+    bar.close()
+    log.close()
+
+  manifest['finished'] = run_info['finished'] = artifacts.now()
+  run_info.update({'cells_run': len(pending), 'cells_skipped': len(cells) - len(pending)})
+  artifacts.write_json(os.path.join(out_dir, artifacts.MANIFEST), manifest)
+  analysis = analytics.analyze(artifacts.read_results(out_dir))
+  written = plots_lib.write_plots(analysis, out_dir) if make_plots else []
+  with open(os.path.join(out_dir, artifacts.SUMMARY), 'w', encoding='utf-8') as f:
+    f.write(artifacts.format_summary(analysis, manifest, written))
+  return {'out_dir': out_dir, 'manifest': manifest, 'analysis': analysis, 'cells_run': len(pending),
+          'cells_skipped': len(cells) - len(pending), 'plots': written}
+
+
+def _generate(engine, cell: Cell, texts: list[str], ids: list[int], sampling: SamplingParams, num_draft):
+  """One timed generate call; with `warmup`, a call that compiled anything runs again and the rerun counts.
+
+  Tokens do not change (draws are keyed by seed, request id and position), only the clock does.
+  """
+  kw = dict(max_new_tokens=cell.config['max_new_tokens'], sampling=sampling, request_ids=ids, num_draft=num_draft)
+  results, stats = engine.generate(texts, **kw)
+  if cell.config['warmup'] and stats.compile_s > 0:
+    results, stats = engine.generate(texts, **kw)
+  return results, stats
+
+
+def _baseline(bench: _Workbench, log: artifacts.ResultsLog, cell: Cell, batch, sampling: SamplingParams) -> str:
+  """Decodes `batch` autoregressively once per (model, prompts, sampling, budget); returns its id."""
+  c = cell.config
+  ids = [rid for rid, _ in batch]
+  baseline_id = stable_hash({
+      'model': c['model'], 'attention_impl': c['attention_impl'], 'page_size': c['page_size'],
+      'max_new_tokens': c['max_new_tokens'], 'sampling': cell.section('sampling'), 'prompts': c['prompts.path'],
+      'request_ids': ids,
+  })
+  if baseline_id in log.done_baselines:
+    return baseline_id
+  engine = bench.engine(cell, baseline=True)
+  results, stats = _generate(engine, cell, [p.text for _, p in batch], ids, sampling, 0)
+  base = {'type': 'baseline', 'baseline': baseline_id, 'k': 0}
+  for row, ((rid, prompt), result) in enumerate(zip(batch, results)):
+    log.write(_row_record(row, result, stats, prompt, rid, base))
+  log.mark_baseline(baseline_id)
+  return baseline_id
