@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -253,6 +254,29 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
   return None if len(a) == len(b) else min(len(a), len(b))
 
 
+# ---------------------------------------------------------------- machine
+
+
+def cpu_snapshot() -> dict:
+  """Machine-wide busy and steal CPU seconds, and this process tree's own CPU seconds."""
+  fields = [int(x) for x in pathlib.Path('/proc/stat').read_text().split('\n')[0].split()[1:9]]
+  user, nice, system, _, _, irq, softirq, steal = fields
+  tick = os.sysconf('SC_CLK_TCK')
+  own = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                              resource.getrusage(resource.RUSAGE_CHILDREN)))
+  return dict(wall=time.perf_counter(), busy=(user + nice + system + irq + softirq) / tick,
+              steal=steal / tick, own=own)
+
+
+def cpu_usage(before: dict, after: dict) -> dict:
+  """CPU seconds that other processes (and the hypervisor, as steal) took in between."""
+  wall = after['wall'] - before['wall']
+  others = max(0.0, (after['busy'] - before['busy']) - (after['own'] - before['own']))
+  steal = after['steal'] - before['steal']
+  return dict(wall_s=wall, others_cpu_s=others, steal_cpu_s=steal,
+              others_share=others / (wall * os.cpu_count()), steal_share=steal / (wall * os.cpu_count()))
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -334,6 +358,10 @@ def report(r: dict) -> str:
                if r['transformers'] else 'n/a')
             + f'; decode >= 80% of the bound: {"PASS" if summary["fraction_of_bound"] >= 0.8 else "FAIL"} '
             f'({summary["fraction_of_bound"]:.0%})']
+  lines += ['', 'other load during the run (CPU seconds used by other processes / stolen by the hypervisor, '
+            'as a share of the cores): ' + '; '.join(
+                f'{k} {v["others_cpu_s"]:.1f} s ({v["others_share"]:.0%}) / {v["steal_cpu_s"]:.1f} s '
+                f'({v["steal_share"]:.0%}) over {v["wall_s"]:.0f} s' for k, v in r['interference'].items())]
   return '\n'.join(lines)
 
 
@@ -354,12 +382,17 @@ def main(argv=None):
     p.error('--max-new-tokens must be at least 2 and --repeats at least 1')
 
   load_before = os.getloadavg()
-  if load_before[0] > 1.0:
-    log(f'warning: load average {load_before[0]:.2f} > 1: the machine is not idle, figures will be low')
   started = datetime.datetime.now().astimezone()
+  snaps = [cpu_snapshot()]
+  time.sleep(1.0)
+  if cpu_usage(snaps[0], cpu_snapshot())['others_share'] > 0.1:
+    log('warning: other processes are using the CPU: the figures will be low (see "other load" below)')
+  snaps = [cpu_snapshot()]
   log('measuring memory bandwidth')
   bandwidth = measure_bandwidth()
+  snaps.append(cpu_snapshot())
   model, prompt_ids, sj_results, sj_info = run_specjax(args.max_new_tokens, args.repeats)
+  snaps.append(cpu_snapshot())
 
   from specjax.loading.registry import DEMO_MODELS
   import jax
@@ -371,6 +404,9 @@ def main(argv=None):
       hf = run_hf(args.hf_python, gguf, prompt_ids, args.max_new_tokens, args.repeats)
     except RuntimeError as e:
       log(f'warning: {e}; reporting specjax only')
+  snaps.append(cpu_snapshot())
+  phases = ('bandwidth', 'specjax', 'transformers')
+  interference = {name: cpu_usage(a, b) for name, a, b in zip(phases, snaps, snaps[1:])}
   comparison = {}
   if hf:
     for name in PROMPTS:
@@ -402,7 +438,7 @@ def main(argv=None):
       versions=dict(specjax=importlib.metadata.version('specjax'), jax=jax.__version__, numpy=np.__version__),
       prompt_ids=prompt_ids, specjax=dict(sj_info, prompts=sj_results), transformers=hf,
       comparison=comparison, bandwidth=bandwidth, bytes_per_token=bytes_per_token,
-      kv_bytes_per_token_max=kv_max, bounds=bound, summary=summary)
+      kv_bytes_per_token_max=kv_max, bounds=bound, summary=summary, interference=interference)
   print(report(result))
   print(f'\n{started:%Y-%m-%d %H:%M %Z}, {result["machine"]["cpu"]}, {result["machine"]["cores"]} cores, '
         f'load average {load_before[0]:.2f} before, {result["load_average_after"][0]:.2f} after')

@@ -5,7 +5,7 @@
 """
 
 from specjax.sweep.config import Cell, SweepConfig, base_config, expand, load_config_file, parse_overrides, resolve
-from specjax.sweep.runner import prepare, run_sweep
+from specjax.sweep.runner import clear_cache, prepare, run_sweep
 
-__all__ = ['Cell', 'SweepConfig', 'base_config', 'expand', 'load_config_file', 'parse_overrides', 'prepare',
+__all__ = ['Cell', 'SweepConfig', 'base_config', 'clear_cache', 'expand', 'load_config_file', 'parse_overrides', 'prepare',
            'resolve', 'run_sweep']

@@ -260,6 +260,17 @@ def format_summary(analysis: dict, manifest: dict, plots: list[str]) -> str:
           f"{ok or '–'} | {_fmt(p['sim_tok_s'], '.1f')} | {_fmt(p['sim_oracle_k'], 'd')} | "
           f"{_fmt(p['sim_regret'], '.1%')} |")
     lines.append('')
+    verdicts = {}
+    for p in policies:
+      if p['policy_name'] != 'fixed' and p['category'] != 'all' and p['regret'] is not None:
+        verdicts.setdefault((p['setting'], p['policy']), []).append(p)
+    for (setting, policy), rows in sorted(verdicts.items()):
+      ok = sum(p['regret'] <= 0.05 for p in rows)
+      worst = max(rows, key=lambda p: p['regret'])
+      lines.append(f"- **{policy}** ({setting}): within 5% of the measured oracle on {ok}/{len(rows)} categories; "
+                   f"worst {worst['category']} at {worst['regret']:.1%} regret.")
+    if verdicts:
+      lines.append('')
   equal = analysis.get('greedy_equal')
   if equal is not None:
     lines += [f'Greedy speculative tokens equal autoregressive tokens on every request: {equal}.', '']

@@ -65,6 +65,8 @@ def base_config() -> ml_collections.ConfigDict:
       'batch_size': 1,  # prompts per generate call (batches never mix categories)
       'page_size': 16,
       'warmup': True,  # a batch whose run compiled an executable runs again, and the rerun is timed
+      'repeats': 1,  # timed runs per batch; the fastest counts (the others are recorded)
+      'interleave': False,  # prompt-major order: each batch runs in every cell before the next batch
       'grid': {},
   })
 
@@ -185,7 +187,13 @@ class SweepConfig:
 
   @property
   def hash(self) -> str:
-    return stable_hash(self.to_dict())
+    """Identifies what the sweep computes: values that differ from the schema defaults, and the grid."""
+    return stable_hash({'base': changed(self.base), 'grid': self.axes})
+
+
+def changed(flat: dict) -> dict:
+  """The entries of a flat config that differ from the schema defaults (new fields keep old hashes)."""
+  return {k: v for k, v in flat.items() if k not in _SCHEMA or v != _SCHEMA[k]}
 
 
 def _unflatten(flat: dict) -> dict:
@@ -319,7 +327,7 @@ def expand(sweep: SweepConfig) -> list[Cell]:
         flat[axis] = value
     flat.update(sweep.pinned)
     flat.pop('name', None)  # the sweep's name does not change what a cell computes
-    cid = stable_hash(flat)
+    cid = stable_hash(changed(flat))
     if cid not in seen:
       seen.add(cid)
       cells.append(Cell(cid, dict(zip(names, combo)), flat))

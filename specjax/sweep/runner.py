@@ -86,7 +86,7 @@ def _check_cell(cell: Cell) -> None:
   c = cell.config
   drafter_key(cell)
   _sampling(cell)
-  for key, low in (('max_new_tokens', 1), ('batch_size', 1), ('page_size', 1)):
+  for key, low in (('max_new_tokens', 1), ('batch_size', 1), ('page_size', 1), ('repeats', 1)):
     if c[key] < low:
       raise SpecjaxError(f'{key} must be at least {low}, got {c[key]} (cell {cell.label})')
   if c['page_size'] & (c['page_size'] - 1):
@@ -127,35 +127,58 @@ def batches(selected: list[tuple[int, Prompt]], size: int) -> list[list[tuple[in
   return [rows[i:i + size] for rows in by_cat.values() for i in range(0, len(rows), size)]
 
 
+_MODELS: dict[tuple, Any] = {}
+_ENGINES: dict[tuple, Any] = {}
+
+
+def clear_cache() -> None:
+  """Drops the models and compiled engines kept for the next sweep in this process."""
+  _MODELS.clear()
+  _ENGINES.clear()
+
+
 class _Workbench:
-  """Models, drafters and engines, built once and shared by the cells."""
+  """Models, drafters and engines, built once and shared by the cells.
+
+  They stay cached in the process for the next sweep (a rerun or a resume
+  compiles nothing); what that sweep does not need is dropped when it starts.
+  """
 
   def __init__(self, cells: list[Cell], cell_policies: dict[str, Any]):
-    self.models: dict[tuple, Any] = {}
-    self.engines: dict[tuple, Any] = {}
     self.max_draft: dict[tuple, int] = {}
     for cell in cells:
-      key = self.engine_key(cell)
+      key = self._base_key(cell)
       self.max_draft[key] = max(self.max_draft.get(key, 1), *cell_policies[cell.id].candidates)
+    keys = {self.engine_key(c, b) for c in cells for b in (False, True)}
+    models = {k[:2] for k in keys} | {(c.config['drafter.draft_model'], c.config['attention_impl'])
+                                      for c in cells if c.config['drafter.kind'] == 'draft-model'}
+    for key in set(_ENGINES) - keys:
+      del _ENGINES[key]
+    for key in set(_MODELS) - models:
+      del _MODELS[key]
 
   @staticmethod
-  def engine_key(cell: Cell, baseline: bool = False) -> tuple:
+  def _base_key(cell: Cell, baseline: bool = False) -> tuple:
     c = cell.config
     return (c['model'], c['attention_impl'], c['page_size'], None if baseline else drafter_key(cell))
 
+  def engine_key(self, cell: Cell, baseline: bool = False) -> tuple:
+    key = self._base_key(cell, baseline)
+    return key + (0 if baseline else self.max_draft[key],)
+
   def model(self, spec: str, attention_impl: str):
     key = (spec, attention_impl)
-    if key not in self.models:
+    if key not in _MODELS:
       import specjax
-      self.models[key] = specjax.load(spec, attention_impl=attention_impl)
-    return self.models[key]
+      _MODELS[key] = specjax.load(spec, attention_impl=attention_impl)
+    return _MODELS[key]
 
   def engine(self, cell: Cell, baseline: bool = False):
     key = self.engine_key(cell, baseline)
-    if key not in self.engines:
+    if key not in _ENGINES:
       import specjax
       from specjax.drafters import make_drafter
-      model_spec, impl, page_size, dkey = key
+      model_spec, impl, page_size, dkey, max_draft = key
       model = self.model(model_spec, impl)
       drafter = None
       if dkey is not None:
@@ -163,9 +186,14 @@ class _Workbench:
         draft = self.model(d['draft_model'], impl) if d['kind'] == 'draft-model' else None
         drafter = make_drafter(d['kind'], model, draft_model=draft, ngram_min=d['ngram_min'],
                                ngram_max=d['ngram_max'], layers=d['layers'])
-      self.engines[key] = specjax.Engine(model, page_size=page_size, drafter=drafter,
-                                         max_draft=self.max_draft.get(key, 1))
-    return self.engines[key]
+      _ENGINES[key] = specjax.Engine(model, page_size=page_size, drafter=drafter, max_draft=max(max_draft, 1))
+    return _ENGINES[key]
+
+  def build(self, cells: list[Cell]) -> None:
+    """Loads every model and builds every drafter and engine (compatibility errors before any run)."""
+    for cell in cells:
+      self.engine(cell)
+      self.engine(cell, baseline=True)
 
 
 def _row_record(row: int, result, stats, prompt: Prompt, request_id: int, base: dict) -> dict:
@@ -249,6 +277,8 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   prompts_path = sweep.base['prompts.path']
   prompts_sha = artifacts.file_sha256(prompts_path)
   manifest = artifacts.check_out_dir(out_dir, sweep.hash, prompts_sha)
+  bench = _Workbench(cells, cell_policies)
+  bench.build(cells)
   os.makedirs(out_dir, exist_ok=True)
   started = artifacts.now()
   run_info = {'started': started, 'git': artifacts.git_info(), 'device': artifacts.device_description(),
@@ -276,31 +306,36 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   pending = [c for c in cells if c.id not in log.done_cells]
   prompts = _Prompts()
   plan = {c.id: batches(prompts.select(c), c.config['batch_size']) for c in pending}
-  bar = _Progress(sum(len(b) for b in plan.values()), progress)
-  bench = _Workbench(cells, cell_policies)
+  units = [(cell, b, batch) for cell in pending for b, batch in enumerate(plan[cell.id])]
+  if sweep.base['interleave']:  # prompt-major: every cell runs a batch before the next batch starts
+    first: dict[tuple, int] = {}
+    units.sort(key=lambda u: first.setdefault(tuple(rid for rid, _ in u[2]), len(first)))
+  left = {c.id: len(plan[c.id]) for c in pending}
+  seconds = {c.id: 0.0 for c in pending}
+  bar = _Progress(len(units), progress)
   try:
-    for cell in pending:
-      t_cell = time.perf_counter()
+    for cell, b, batch in units:
+      t_batch = time.perf_counter()
       policy = cell_policies[cell.id]
       sampling = _sampling(cell)
-      budget = cell.config['max_new_tokens']
-      engine = bench.engine(cell)
-      for b, batch in enumerate(plan[cell.id]):
-        ids = [rid for rid, _ in batch]
-        texts = [p.text for _, p in batch]
-        baseline_id = _baseline(bench, log, cell, batch, sampling)
-        results, stats = _generate(engine, cell, texts, ids, sampling, policy)
-        base = {'type': 'request', 'cell': cell.id, 'baseline': baseline_id, 'batch': b}
-        for row, ((rid, prompt), result) in enumerate(zip(batch, results)):
-          log.write(_row_record(row, result, stats, prompt, rid, base))
-        bar.step(f'{cell.label} [{b + 1}/{len(plan[cell.id])}]')
+      ids = [rid for rid, _ in batch]
+      baseline_id = _baseline(bench, log, cell, batch, sampling)
+      results, stats, runs = _generate(bench.engine(cell), cell, [p.text for _, p in batch], ids, sampling, policy)
+      base = {'type': 'request', 'cell': cell.id, 'baseline': baseline_id, 'batch': b, 'decode_s_runs': runs}
+      for row, ((rid, prompt), result) in enumerate(zip(batch, results)):
+        log.write(_row_record(row, result, stats, prompt, rid, base))
+      bar.step(f'{cell.label} [{b + 1}/{len(plan[cell.id])}]')
+      seconds[cell.id] += time.perf_counter() - t_batch
+      left[cell.id] -= 1
+      if left[cell.id]:
+        continue
       log.mark_cell({'cell': cell.id, 'values': cell.values, 'label': cell.label, 'drafter': drafter_label(cell),
                      'setting': setting_label(cell), 'policy': policy_label(cell),
                      'policy_name': cell.config['policy.name'], 'policy_k': cell.config['policy.k'],
                      'family': drafter_key(cell)[0],
                      'k': cell.config['policy.k'] if cell.config['policy.name'] == 'fixed' else None,
                      'candidates': list(policy.candidates), 'greedy': sampling.is_greedy,
-                     'seconds': time.perf_counter() - t_cell})
+                     'seconds': seconds[cell.id]})
   finally:
     bar.close()
     log.close()
@@ -317,15 +352,25 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
 
 
 def _generate(engine, cell: Cell, texts: list[str], ids: list[int], sampling: SamplingParams, num_draft):
-  """One timed generate call; with `warmup`, a call that compiled anything runs again and the rerun counts.
+  """A batch's timed generate calls: the fastest of `repeats` runs counts (all must give the same tokens).
 
-  Tokens do not change (draws are keyed by seed, request id and position), only the clock does.
+  With `warmup`, a call that compiled anything is run again before the timed
+  runs. Tokens never change between runs (draws are keyed by seed, request id
+  and position), only the clock does. Returns (results, stats, decode seconds of every timed run).
   """
   kw = dict(max_new_tokens=cell.config['max_new_tokens'], sampling=sampling, request_ids=ids, num_draft=num_draft)
   results, stats = engine.generate(texts, **kw)
   if cell.config['warmup'] and stats.compile_s > 0:
     results, stats = engine.generate(texts, **kw)
-  return results, stats
+  runs = [stats.decode_s]
+  for _ in range(cell.config['repeats'] - 1):
+    again, again_stats = engine.generate(texts, **kw)
+    if [r.tokens for r in again] != [r.tokens for r in results]:
+      raise SpecjaxError(f'cell {cell.label}: a repeated run gave different tokens (request ids {ids})')
+    runs.append(again_stats.decode_s)
+    if again_stats.decode_s < stats.decode_s:
+      results, stats = again, again_stats
+  return results, stats, runs
 
 
 def _baseline(bench: _Workbench, log: artifacts.ResultsLog, cell: Cell, batch, sampling: SamplingParams) -> str:
@@ -340,8 +385,8 @@ def _baseline(bench: _Workbench, log: artifacts.ResultsLog, cell: Cell, batch, s
   if baseline_id in log.done_baselines:
     return baseline_id
   engine = bench.engine(cell, baseline=True)
-  results, stats = _generate(engine, cell, [p.text for _, p in batch], ids, sampling, 0)
-  base = {'type': 'baseline', 'baseline': baseline_id, 'k': 0}
+  results, stats, runs = _generate(engine, cell, [p.text for _, p in batch], ids, sampling, 0)
+  base = {'type': 'baseline', 'baseline': baseline_id, 'k': 0, 'decode_s_runs': runs}
   for row, ((rid, prompt), result) in enumerate(zip(batch, results)):
     log.write(_row_record(row, result, stats, prompt, rid, base))
   log.mark_baseline(baseline_id)
