@@ -127,6 +127,16 @@ def test_forced_policy_env_is_refused(tmp_path, prompt_file, monkeypatch):
     run_sweep(TINY_CONFIG, str(tmp_path / 'out'), tiny_overrides(prompt_file), progress=False)
 
 
+def test_acceptance_fit_and_prediction():
+  from specjax.sweep import analytics
+  steps = [(4, 4)] * 3 + [(4, 1)] * 2 + [(2, 0)] * 5  # (K, accepted)
+  fit = analytics.fit_acceptance(steps)
+  assert fit['alpha'] == pytest.approx(14 / 21)  # accepted / (accepted + steps that stopped short of K)
+  assert fit['conditional'] == pytest.approx([0.5, 0.6, 1.0, 1.0])  # P(a >= i | a >= i - 1, K >= i)
+  assert analytics.predict_tau(fit, 2) == pytest.approx(1 + 0.5 + 0.5 * 0.6)
+  assert analytics.geometric_tau(0.5, 2) == pytest.approx(1.75)
+
+
 # ---------------------------------------------------------------- a tiny sweep
 
 

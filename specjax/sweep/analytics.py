@@ -144,7 +144,7 @@ def analyze(records: list[dict]) -> dict:
     rows = [_policy_row(cells[cid]['policy'], cells[cid], rs, fit, costs, ar) for cid, rs in by_cell.items()]
     rows.sort(key=lambda row: (row['k'] is None, row['k'] or 0, row['policy']))
     groups.append({'setting': setting, 'category': category, 'ar': ar, 'rows': rows, 'fit': fit,
-                   'costs': costs, 'simulation': simulate_group(by_cell, cells)})
+                   'costs': costs, 'simulation': simulate_group(by_cell, cells), 'twins': _twins(rows)})
     if category != ALL:
       for cid, rs in by_cell.items():
         if not cells[cid]['greedy']:
@@ -155,6 +155,16 @@ def analyze(records: list[dict]) -> dict:
             greedy_equal = (greedy_equal is not False) and r['tokens'] == b['tokens']
     policy_rows += _regret(groups[-1])
   return {'groups': groups, 'policies': policy_rows, 'greedy_equal': greedy_equal}
+
+
+def _twins(rows: list[dict]) -> list[tuple[str, str, float]]:
+  """Policies that ran the very same steps (e.g. load = K=8 at batch 1): their tokens/s gap is timing noise."""
+  out = []
+  for i, a in enumerate(rows):
+    for b in rows[i + 1:]:
+      if a['trajectories'] == b['trajectories'] and a['tok_s'] and b['tok_s']:
+        out.append((a['policy'], b['policy'], abs(a['tok_s'] - b['tok_s']) / max(a['tok_s'], b['tok_s'])))
+  return out
 
 
 def _regret(group: dict) -> list[dict]:
@@ -231,8 +241,8 @@ def simulate_group(by_cell: dict[str, list[dict]], cells: dict[str, dict]) -> di
     seconds = sum(r.seconds for r in runs)
     return sum(r.tokens for r in runs) / seconds if seconds else 0.0
 
-  candidates = sorted({k for k, _ in fixed} | {k for c in by_cell for k in cells[c]['candidates']})
-  rates = {k: rate(policies.Fixed(k)) for k in candidates}
+  candidates = sorted({k for k, _ in fixed})  # the depths measured as fixed cells: the same choice as the measured oracle
+  rates = {k: rate(policies.Fixed(k)) for k in candidates}  # a policy's other depths replay on StepCosts
   best = max(rates, key=lambda k: (rates[k], -k))
   out: dict[str, Any] = {'_oracle': {'k': best, 'tok_s': rates[best], 'rates': rates}}
   for c in by_cell:

@@ -116,27 +116,41 @@ def _predicted_vs_measured(analysis: dict, path: str) -> None:
 
 
 def _trajectories(analysis: dict, path: str) -> None:
-  panels = []
+  """K per step: one row per category, one column per adaptive (setting, policy); dotted lines part requests."""
+  panels = {}
   for group in analysis['groups']:
     if group['category'] == ALL:
       continue
     for r in group['rows']:
       if r['policy_name'] != 'fixed':
-        panels.append((group['setting'], r['policy'], group['category'], r['trajectories']))
-  keys = sorted({(s, p) for s, p, _, _ in panels})
-  fig, axes = _panels(len(keys), 'K chosen per step (the requests of each category one after another)')
-  for ax, (setting, policy) in zip(axes, keys):
-    for s, p, category, traj in panels:
-      if (s, p) == (setting, policy) and traj:
-        ks = [k for _, request in traj for k in request]
-        ax.step(range(len(ks)), ks, where='post', label=category, alpha=0.8)
-    ax.set_title(f'{policy} — {setting}', fontsize=9)
-    ax.set_xlabel('step')
-    ax.set_ylabel('K')
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=7)
-  if not keys:
-    _empty(axes[0], 'no adaptive policy in this sweep')
+        panels[(group['setting'], r['policy'], group['category'])] = r
+  columns = sorted({(s, p) for s, p, _ in panels})
+  categories = sorted({c for _, _, c in panels})
+  if not columns:
+    fig, ax = plt.subplots(figsize=(5.2, 3.0))
+    _empty(ax, 'no adaptive policy in this sweep')
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return
+  fig, axes = plt.subplots(len(categories), len(columns), figsize=(6.0 * len(columns), 1.5 * len(categories) + 0.8),
+                           squeeze=False, sharey=True)
+  fig.suptitle('K chosen per step (dotted: the next request starts with a fresh policy state)')
+  top = max(max(r['candidates']) for r in panels.values())
+  for j, (setting, policy) in enumerate(columns):
+    axes[0, j].set_title(f'{policy} — {setting}', fontsize=9)
+    for i, category in enumerate(categories):
+      ax = axes[i, j]
+      row = panels.get((setting, policy, category))
+      start = 0
+      for _, ks in (row['trajectories'] if row else []):
+        ax.step(range(start, start + len(ks)), ks, where='post', color='C0')
+        start += len(ks)
+        ax.axvline(start, color='gray', linestyle=':', linewidth=0.8)
+      ax.set_ylim(0.5, top + 0.5)
+      ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+      ax.set_ylabel(category, fontsize=8)
+      ax.tick_params(labelsize=7)
+    axes[-1, j].set_xlabel('step')
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
