@@ -115,7 +115,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--draft-model', '--mtp-model', dest='draft_model', default=None,
                  help='draft model for --drafter draft-model (same forms as -m); --mtp-model is the mistral.rs spelling')
   p.add_argument('--n-predict', '--mtp-n-predict', dest='n_predict', type=int, default=None,
-                 help='draft depth K per step (default 4); --mtp-n-predict is the mistral.rs spelling')
+                 help='draft depth K per step (default 4, 3 with --mtp); --mtp-n-predict is the mistral.rs spelling')
+  p.add_argument('--mtp', action='store_true',
+                 help="draft with the checkpoint's built-in MTP head (Qwen3.5 / Qwen3-Next mtp.*; "
+                      'same as --drafter mtp; default depth 3)')
   p.add_argument('--max-draft', type=int, default=8, help='largest K the engine reserves lookahead for')
   p.add_argument('--ngram-min', type=int, default=1)
   p.add_argument('--ngram-max', type=int, default=3)
@@ -126,15 +129,23 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                  help='time draft and verify separately (one extra host sync per step)')
 
 
+def default_depth(args) -> int:
+  """K when --n-predict is not given: 3 for the built-in MTP head, else 4."""
+  return 3 if getattr(args, 'mtp', False) or args.drafter == 'mtp' else 4
+
+
 def load_engine(args, with_drafter: bool):
   import specjax
   from specjax.drafters import make_drafter
-  kind = args.drafter or ('draft-model' if args.draft_model else 'ngram') if with_drafter else None
+  mtp = getattr(args, 'mtp', False) or args.drafter == 'mtp'
+  if mtp and args.drafter not in (None, 'mtp'):
+    raise SpecjaxError(f'--mtp drafts with the built-in MTP head; it cannot be combined with --drafter {args.drafter}')
+  kind = ('mtp' if mtp else args.drafter or ('draft-model' if args.draft_model else 'ngram')) if with_drafter else None
   if with_drafter and args.draft_model and kind != 'draft-model':
     raise SpecjaxError(f'--draft-model is only used with --drafter draft-model, not {kind}')
   if with_drafter and kind == 'draft-model' and not args.draft_model:
     raise SpecjaxError('--drafter draft-model needs --draft-model PATH')
-  model = specjax.load(args.model, attention_impl=args.attention_impl)
+  model = specjax.load(args.model, attention_impl=args.attention_impl, mtp=kind == 'mtp')
   drafter = None
   if with_drafter:
     draft = specjax.load(args.draft_model, attention_impl=args.attention_impl) if args.draft_model else None
@@ -150,7 +161,7 @@ def load_engine(args, with_drafter: bool):
 def cmd_run(args) -> int:
   prompts = read_prompts(args)
   sampling = sampling_from_args(args)
-  k = 4 if args.n_predict is None else args.n_predict
+  k = default_depth(args) if args.n_predict is None else args.n_predict
   if k < 1:
     raise SpecjaxError(f'--n-predict must be at least 1, got {k}')
   if args.max_new_tokens < 1:
@@ -167,7 +178,8 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
   from specjax import bench
   sampling = sampling_from_args(args)
-  depths = args.n_predict_list or ([args.n_predict] if args.n_predict else [2, 4, 6, 8])
+  mtp = args.mtp or args.drafter == 'mtp'
+  depths = args.n_predict_list or ([args.n_predict] if args.n_predict else [2, 3, 4, 6] if mtp else [2, 4, 6, 8])
   args.max_draft = max(args.max_draft, *depths)
   prompts = bench.load_prompts(args.prompts, args.categories, args.limit)
   if not prompts:
@@ -223,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
   bench.add_argument('--categories', nargs='+', default=None)
   bench.add_argument('--limit', type=int, default=None, help='prompts per category')
   bench.add_argument('--depths', dest='n_predict_list', type=int, nargs='+', default=None,
-                     help='draft depths to compare (default 2 4 6 8, or --n-predict)')
+                     help='draft depths to compare (default 2 4 6 8, with --mtp 2 3 4 6; or --n-predict)')
   bench.add_argument('--max-new-tokens', type=int, default=64)
   bench.add_argument('--temperature', type=float, default=0.0)
   bench.add_argument('--top-k', type=int, default=0)

@@ -85,12 +85,12 @@ class GenerationStats:
 
 
 def _prefill_chunk(graphdef, params, cache, tokens, query_lens, last_hidden):
-  """Appends one chunk of each prompt; keeps the hidden state of its last token."""
+  """Appends one chunk of each prompt; returns (cache, hidden of each row's last token, hidden [B, T, D])."""
   model = nnx.merge(graphdef, params)
   hidden, cache = model(tokens, cache, query_lens)  # [B, T, D]
   idx = jnp.maximum(query_lens - 1, 0)
   chunk_last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
-  return cache, jnp.where((query_lens > 0)[:, None], chunk_last, last_hidden)
+  return cache, jnp.where((query_lens > 0)[:, None], chunk_last, last_hidden), hidden
 
 
 def _emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams):
@@ -106,8 +106,8 @@ def _emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams):
   return dataclasses.replace(state, last_tokens=tokens, active=active, num_generated=num_generated, tokens=buffer)
 
 
-def _drafter_prefill(graphdef, params, dparams, dstate, tokens, query_lens, drafter):
-  return drafter.prefill(nnx.merge(graphdef, params), dparams, dstate, tokens, query_lens)
+def _drafter_prefill(graphdef, params, dparams, dstate, tokens, query_lens, hidden, drafter):
+  return drafter.prefill(nnx.merge(graphdef, params), dparams, dstate, tokens, query_lens, hidden)
 
 
 def _start(graphdef, params, state, last_hidden, eos_ids, sampling):
@@ -237,7 +237,8 @@ class Engine:
       allocator.allocate(i, len(p) + max_new_tokens + self.lookahead)
     block_tables = allocator.block_table(list(range(batch)), pages_per_seq)
     cache = KVCache.create(self.model.kv_shapes, num_pages=num_pages, page_size=self.page_size,
-                           block_tables=block_tables)
+                           block_tables=block_tables, state_shapes=self.model.state_shapes,
+                           num_slots=max(1, self.lookahead))
     capacity = pages_per_seq * self.page_size
     buffer = np.zeros((batch, capacity), np.int32)
     for i, p in enumerate(prompts):
@@ -245,7 +246,8 @@ class Engine:
     dstate, dparams = (), ()
     if self.drafter:
       dparams = self.drafter.params()
-      dstate = self.drafter.init_state(BatchPlan(batch, capacity, num_pages, self.page_size, block_tables))
+      dstate = self.drafter.init_state(
+          BatchPlan(batch, capacity, num_pages, self.page_size, block_tables, self.max_draft))
     lens = np.array([len(p) for p in prompts] + [0] * (batch - n))
     longest = int(lens.max())
     chunk = min(self.prefill_chunk, next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= longest))
@@ -254,9 +256,9 @@ class Engine:
       tokens = np.ascontiguousarray(buffer[:, start:start + chunk])
       tokens = np.pad(tokens, ((0, 0), (0, chunk - tokens.shape[1])))
       q_lens = np.clip(lens - start, 0, chunk).astype(np.int32)
-      cache, last_hidden = self._call('prefill', _prefill_chunk, (cache, tokens, q_lens, last_hidden))
+      cache, last_hidden, hidden = self._call('prefill', _prefill_chunk, (cache, tokens, q_lens, last_hidden))
       if self.drafter:
-        dstate = self._call('drafter_prefill', _drafter_prefill, (dparams, dstate, tokens, q_lens),
+        dstate = self._call('drafter_prefill', _drafter_prefill, (dparams, dstate, tokens, q_lens, hidden),
                             {'drafter': self.drafter}, donate=(2,))
     state = DecodeState(
         cache=cache,

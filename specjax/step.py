@@ -3,12 +3,13 @@
   propose: drafter.propose(...)            -> drafts [B, K], draft_lens, q | None
   verify:  target.forward([last, drafts])  -> logits [B, K + 1, V], taps
   accept:  verify.verify(...)              -> n_accepted [B], tokens [B, K + 1]
-  commit:  lengths += emitted; tokens buffer; drafter.commit(...)
+  commit:  lengths += emitted; state slot; tokens buffer; drafter.commit(...)
 
 Rows keep everything they accepted (ragged acceptance, never cut to the
 slowest row). Emission stops at an EOS and at the row's token budget. The
 rejected positions stay in the KV pages, masked by length and overwritten
-later.
+later; hybrid models keep the recurrent state after every verified position
+and commit the slot of the last kept one (`KVCache.commit`).
 """
 
 from __future__ import annotations
@@ -48,17 +49,19 @@ def verify_widths(k: int) -> tuple[int, ...]:
   return tuple(sorted({w for w in (1, 2, 4, 8, 16) if w < k + 1} | {k + 1}))
 
 
-def _verify_width(target, state, prop, sampling, taps_layers, width: int, k: int):
+def _verify_width(target, state, prop, sampling, drafter, width: int, k: int):
   """Target pass over the first `width` positions of [last, drafts]; outputs padded to K + 1."""
   block = jnp.concatenate([state.last_tokens[:, None], prop.drafts[:, :width - 1]], axis=1)  # [B, W]
   hidden, cache, taps = target.forward(
-      block, state.cache, jnp.where(state.active, width, 0).astype(jnp.int32), taps=taps_layers)
+      block, state.cache, jnp.where(state.active, width, 0).astype(jnp.int32), taps=drafter.taps)
   logits = target.logits(hidden).astype(jnp.float32)  # [B, W, V]
   q = None if prop.q is None else prop.q[:, :width - 1]
   n_accepted, out = verify(logits, prop.drafts[:, :width - 1], jnp.minimum(prop.draft_lens, width - 1), q,
                            sampling, state.seq_ids, state.cache.lengths + 1)
   pad = ((0, 0), (0, k + 1 - width))
-  return n_accepted, jnp.pad(out, pad), cache, tuple(jnp.pad(t, pad + ((0, 0),)) for t in taps)
+  taps = tuple(jnp.pad(t, pad + ((0, 0),)) for t in taps)
+  hidden = jnp.pad(hidden, pad + ((0, 0),)) if drafter.reads_hidden else None
+  return n_accepted, jnp.pad(out, pad), cache, taps, hidden
 
 
 def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k: int, sampling):
@@ -70,14 +73,14 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
   """
   target = nnx.merge(graphdef, params)
   old_len = state.cache.lengths
-  branch = lambda w: lambda: _verify_width(target, state, prop, sampling, drafter.taps, w, k)
+  branch = lambda w: lambda: _verify_width(target, state, prop, sampling, drafter, w, k)
   if drafter.variable_length:
     widths = verify_widths(k)
     need = jnp.max(jnp.where(state.active, prop.draft_lens, 0)) + 1
     index = jnp.searchsorted(jnp.asarray(widths), need)
-    n_accepted, out, cache, taps = jax.lax.switch(index, [branch(w) for w in widths])
+    n_accepted, out, cache, taps, hidden = jax.lax.switch(index, [branch(w) for w in widths])
   else:
-    n_accepted, out, cache, taps = branch(k + 1)()
+    n_accepted, out, cache, taps, hidden = branch(k + 1)()
 
   steps = jnp.arange(k + 1)
   is_eos = jnp.any(out[..., None] == eos_ids[None, None, :], axis=-1) & (steps[None, :] <= n_accepted[:, None])
@@ -92,9 +95,9 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
   last_tokens = jnp.where(emitted > 0, last, state.last_tokens)
   new_len = old_len + emitted
   tokens = write_tokens(state.tokens, out, old_len + 1, emitted)
-  cache = dataclasses.replace(cache, lengths=new_len)
+  cache = cache.commit(new_len, emitted)  # rejected positions: masked by length, state slot of the last kept
   new_ctx = DraftContext(tokens, new_len, last_tokens, active, state.seq_ids)
-  dstate = drafter.commit(dparams, state.drafter, new_ctx, emitted, taps)
+  dstate = drafter.commit(dparams, state.drafter, new_ctx, emitted, taps, hidden)
   state = dataclasses.replace(state, cache=cache, tokens=tokens, last_tokens=last_tokens, active=active,
                               num_generated=num_generated, drafter=dstate)
   accepted = jnp.where(emitted > 0, n_accepted, 0)

@@ -29,3 +29,18 @@ def perturbed_target(scale: float):
   for name, w in ckpt.tensors.items():
     ckpt.tensors[name] = w + rng.normal(0, scale, w.shape).astype(np.float32)
   return build_model(ckpt)
+
+
+def make_cache(model, b, t, page_size=4, num_slots=1, shuffle_pages=False):
+  """A KV cache (and recurrent state slots, for hybrids) for `b` rows of up to `t` tokens."""
+  import numpy as np
+  from specjax.cache.paged import KVCache, PageAllocator
+  pages_per_seq = -(-t // page_size)
+  alloc = PageAllocator(b * pages_per_seq + 1, page_size)
+  if shuffle_pages:
+    np.random.default_rng(0).shuffle(alloc._free)
+  for i in range(b):
+    alloc.allocate(i, t)
+  return KVCache.create(model.kv_shapes, num_pages=b * pages_per_seq + 1, page_size=page_size,
+                        block_tables=alloc.block_table(list(range(b)), pages_per_seq),
+                        state_shapes=model.state_shapes, num_slots=num_slots)

@@ -7,7 +7,9 @@ import sys
 import pytest
 
 from specjax import cli
-from conftest import TINY
+from conftest import FIXTURES, TINY
+
+QWEN = f'{FIXTURES}/tiny_qwen3_5'
 
 
 def run_cli(capsys, *argv):
@@ -82,6 +84,14 @@ def test_mistral_rs_aliases(capsys):
   assert spec['acceptance_rate'] == 1.0  # the target drafting for itself
 
 
+def test_run_mtp(capsys):
+  code, out, err = run_cli(capsys, 'run', '-m', QWEN, '--mtp', '--prompt', 'Hello', '--max-new-tokens', '6',
+                           '--page-size', '4', '--json')
+  assert code == 0, err
+  spec = json.loads(out)['spec']
+  assert spec['drafter'] == 'mtp' and spec['k'] == 3 and len(json.loads(out)['tokens']) == 6
+
+
 def test_bench_table(capsys, tmp_path):
   prompts = tmp_path / 'q.jsonl'
   prompts.write_text('\n'.join(json.dumps({'question_id': i, 'category': c, 'turns': [t]}) for i, (c, t) in enumerate(
@@ -100,6 +110,10 @@ def test_bench_table(capsys, tmp_path):
     (['run', '-m', TINY, '--prompt', 'x', '--draft-model', '/no/such/model'], 'not found'),
     (['bench', '-m', TINY, '--prompts', '/no/file.jsonl'], 'does not exist'),
     (['bench', '-m', TINY, '--categories', 'nope', '--limit', '1'], 'unknown categories'),
+    (['run', '-m', TINY, '--prompt', 'x', '--mtp'], 'no built-in MTP head'),
+    (['run', '-m', 'gemma-3-270m', '--prompt', 'x', '--mtp'], 'not supported from GGUF'),
+    (['run', '-m', QWEN, '--prompt', 'x', '--mtp', '--drafter', 'ngram'], 'cannot be combined'),
+    (['run', '-m', QWEN, '--prompt', 'x', '--drafter', 'layer-skip'], 'not supported on hybrid targets'),
 ])
 def test_speculative_bad_input(capsys, argv, message):
   code, out, err = run_cli(capsys, *argv)

@@ -5,21 +5,13 @@ import pytest
 import jax.numpy as jnp
 
 import specjax
-from specjax.cache.paged import KVCache, PageAllocator
-from conftest import TINY, TINY_SHARDED, FIXTURES
+from conftest import TINY, TINY_SHARDED, FIXTURES, make_cache
 
 
 def run_model(model, ids, chunks, page_size=4, shuffle_pages=False):
   """Feeds `ids` [B, T] in the given chunk lengths; returns logits [B, T, V]."""
   b, t = ids.shape
-  pages_per_seq = -(-t // page_size)
-  alloc = PageAllocator(b * pages_per_seq + 1, page_size)
-  if shuffle_pages:
-    np.random.default_rng(0).shuffle(alloc._free)
-  for i in range(b):
-    alloc.allocate(i, t)
-  cache = KVCache.create(model.kv_shapes, num_pages=b * pages_per_seq + 1, page_size=page_size,
-                         block_tables=alloc.block_table(list(range(b)), pages_per_seq))
+  cache = make_cache(model, b, t, page_size=page_size, shuffle_pages=shuffle_pages)
   module = model.module()
   out, start = [], 0
   for n in chunks:

@@ -305,14 +305,22 @@ def test_benchmark_script_runs(capsys, tmp_path):
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
   out_json = tmp_path / "out.json"
-  bench.main(["--batch", "1", "--context", "20", "--queries", "2",
-              "--json", str(out_json)])
+  # float32 and IEEE matmuls in the XLA reference: a tight check on a GPU too
+  # (the GPU default is bfloat16, and XLA's float32 default there is TF32).
+  with jax.default_matmul_precision("highest"):
+    # head dim 64: float32 at 256 overflows the H200's shared memory with the
+    # bf16-sized block table (measured; see benchmarks/README.md).
+    bench.main(["--batch", "1", "--context", "20", "--queries", "2",
+                "--dtype", "float32", "--head-dim", "64",
+                "--json", str(out_json)])
   printed = capsys.readouterr().out
   assert "largest absolute difference" in printed
   if not ON_GPU:
     assert "GPU figures pending" in printed
   (row,) = json.loads(out_json.read_text())["rows"]
-  assert row["kernel_max_abs_err"] < 1e-4 and row["jax1q_max_abs_err"] < 1e-4
+  assert row["kernel_max_abs_err"] < 1e-4
+  # jax's kernel multiplies float32 in TF32 on a GPU.
+  assert row["jax1q_max_abs_err"] < (5e-3 if ON_GPU else 1e-4)
 
 
 def test_bad_block_sizes_raise():

@@ -64,7 +64,7 @@ def second_token_law(model, params):
     for i in range(b):
       alloc.allocate(i, t)
     cache = KVCache.create(model.kv_shapes, num_pages=b * pages + 1, page_size=4,
-                           block_tables=alloc.block_table(list(range(b)), pages))
+                           block_tables=alloc.block_table(list(range(b)), pages), state_shapes=model.state_shapes)
     hidden, _ = module(jnp.asarray(batch_ids), cache, jnp.full((b,), t, jnp.int32))
     return np.asarray(sampling_lib.probs(module.logits(hidden[:, -1]), params))
 

@@ -3,28 +3,38 @@
 Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
-  /work/torchenv/bin/python tools/make_fixtures.py [--only tiny_gemma3|gemma3_270m]
+  /work/torchenv/bin/python tools/make_fixtures.py \
+      [--only tiny_gemma3|qwen|gemma3_270m]
 
 Outputs, under tests/fixtures/:
   tiny_gemma3/                    random Gemma3ForCausalLM, Hub-style config.
   tiny_gemma3_reference.npz       its logits and greedy continuations.
   tiny_gemma3_sharded/            second random model, 2 shards, final softcap.
   tiny_gemma3_sharded_reference.npz
+  tiny_qwen3_5{,_moe}/            random Qwen3.5 dense / MoE text hybrids
+  tiny_qwen3_next/                and Qwen3-Next, with Hub-style mtp.* weights.
+  tiny_qwen3_*_reference.npz      logits (full and token by token), hidden
+                                  states, MTP logits, greedy continuations.
   gemma3_270m_reference.json      tokenizer, greedy and logits of the real
                                   Gemma 3 270M Q4_K_M GGUF.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
+import math
 import pathlib
 import shutil
+import sys
 import time
 
 import numpy as np
 import safetensors
+import safetensors.torch
 import tokenizers
 from tokenizers import decoders
 from tokenizers import models as tok_models
@@ -434,6 +444,412 @@ def make_tiny(spec: TinySpec, tok: tokenizers.Tokenizer):
         f'{np.min(margins):.4f}; prompt lens {lens}; new ids {new_ids}')
 
 
+# Qwen hybrids: Gated DeltaNet (linear attention) + gated full attention, with
+# the built-in MTP head that the Hub checkpoints store as `mtp.*` tensors.
+LINEAR = 'linear_attention'
+QWEN_LAYER_TYPES = (LINEAR, LINEAR, LINEAR, FULL)
+QWEN_FULL_LAYER = 3  # A full-attention layer; the MTP layer is built as it.
+QWEN_ROPE_THETA = 1e7
+QWEN_PROMPTS = ('def add(a, b):\n    return', 'The capital of France is Paris')
+QWEN_SEQ_LEN = 12
+QWEN_NEW_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenSpec:
+  """One tiny random Qwen hybrid checkpoint with MTP weights."""
+
+  name: str
+  architecture: str  # transformers CausalLM class, also `architectures`.
+  config_class: str
+  seed: int
+  moe: bool  # Sparse MoE block (router, experts, shared expert) in every layer.
+  qwen3_next: bool  # Else Qwen3.5: Next has plain RoPE and a Hub config.json
+                    # with rope_theta keys instead of rope_parameters.
+
+
+QWEN_SPECS = (
+    QwenSpec(
+        name='tiny_qwen3_5',
+        architecture='Qwen3_5ForCausalLM',
+        config_class='Qwen3_5TextConfig',
+        seed=13,
+        moe=False,
+        qwen3_next=False,
+    ),
+    QwenSpec(
+        name='tiny_qwen3_5_moe',
+        architecture='Qwen3_5MoeForCausalLM',
+        config_class='Qwen3_5MoeTextConfig',
+        seed=12,
+        moe=True,
+        qwen3_next=False,
+    ),
+    QwenSpec(
+        name='tiny_qwen3_next',
+        architecture='Qwen3NextForCausalLM',
+        config_class='Qwen3NextConfig',
+        seed=15,
+        moe=True,
+        qwen3_next=True,
+    ),
+)
+
+
+def qwen_config(spec: QwenSpec) -> transformers.PreTrainedConfig:
+  """Tiny config: hidden 64, 4 layers [linear x3, full], head_dim 32."""
+  rope = {'rope_type': 'default', 'rope_theta': QWEN_ROPE_THETA,
+          'partial_rotary_factor': 0.25}
+  kwargs = {}
+  if spec.qwen3_next:  # Plain partial RoPE, MoE in every layer.
+    kwargs.update(intermediate_size=128, decoder_sparse_step=1,
+                  norm_topk_prob=True, mlp_only_layers=[])
+  else:  # Qwen3.5: interleaved M-RoPE, 4 = rotary_dim / 2 frequencies.
+    rope.update(mrope_section=[2, 1, 1], mrope_interleaved=True)
+  if spec.moe:
+    kwargs.update(num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32)
+  else:
+    kwargs.update(intermediate_size=128)
+  return getattr(transformers, spec.config_class)(
+      vocab_size=VOCAB_SIZE,
+      hidden_size=64,
+      num_hidden_layers=len(QWEN_LAYER_TYPES),
+      layer_types=list(QWEN_LAYER_TYPES),
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=32,
+      linear_num_key_heads=2,
+      linear_num_value_heads=4,
+      linear_key_head_dim=16,
+      linear_value_head_dim=16,
+      linear_conv_kernel_dim=4,
+      hidden_act='silu',
+      max_position_embeddings=512,
+      rms_norm_eps=1e-6,
+      rope_parameters=rope,
+      tie_word_embeddings=False,
+      bos_token_id=BOS,
+      eos_token_id=EOS,
+      pad_token_id=PAD,
+      architectures=[spec.architecture],
+      **kwargs,
+  )
+
+
+def qwen_config_dict(spec: QwenSpec, saved: dict) -> dict:
+  """transformers' config.json plus the keys the Hub checkpoints carry."""
+  config = dict(saved)
+  config['full_attention_interval'] = 4
+  rope = config['rope_parameters']
+  if spec.qwen3_next:  # Like Qwen/Qwen3-Next-80B-A3B-Instruct.
+    del config['rope_parameters']
+    config.update(rope_theta=rope['rope_theta'], rope_scaling=None,
+                  partial_rotary_factor=rope['partial_rotary_factor'])
+  else:  # Like the text_config of Qwen/Qwen3.5-27B and Qwen3.5-35B-A3B.
+    config.update(attn_output_gate=True, mamba_ssm_dtype='float32',
+                  mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
+                  partial_rotary_factor=rope['partial_rotary_factor'])
+  return dict(sorted(config.items()))
+
+
+class QwenMtp(torch.nn.Module):
+  """The MTP head of the Hub checkpoints, built from transformers' modules.
+
+  Mirrors vLLM's Qwen3_5 / Qwen3Next multi-token predictor: one
+  full-attention decoder layer of the target architecture between an input
+  projection and a final norm; embedding and lm_head are the target's.
+  """
+
+  def __init__(self, model):
+    super().__init__()
+    config = model.config
+    hidden = config.hidden_size
+    norm_class = type(model.model.norm)  # The zero-centred (1 + w) RMSNorm.
+    layer_class = type(model.model.layers[QWEN_FULL_LAYER])
+    assert config.layer_types[QWEN_FULL_LAYER] == FULL
+    self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+    self.pre_fc_norm_embedding = norm_class(hidden, eps=config.rms_norm_eps)
+    self.pre_fc_norm_hidden = norm_class(hidden, eps=config.rms_norm_eps)
+    self.layers = torch.nn.ModuleList([layer_class(config, QWEN_FULL_LAYER)])
+    self.norm = norm_class(hidden, eps=config.rms_norm_eps)
+
+  def forward(self, model, input_ids, hidden):
+    """MTP logits [B, T-1, V]: pair t is (hidden[t], input_ids[t+1])."""
+    embeds = model.model.embed_tokens(input_ids[:, 1:])
+    x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds),
+                           self.pre_fc_norm_hidden(hidden[:, :-1])], dim=-1))
+    batch, length, _ = x.shape
+    position_ids = torch.arange(length)[None].expand(batch, -1)
+    rotary = model.model.rotary_emb(x, position_ids)
+    causal = torch.full((length, length), float('-inf')).triu(1)[None, None]
+    x = self.layers[0](x, position_embeddings=rotary, attention_mask=causal,
+                       position_ids=position_ids)
+    return model.lm_head(self.norm(x))
+
+
+def init_qwen_weights(params: dict[str, torch.Tensor], gen: torch.Generator):
+  """Seeded init, sized for non-trivial logits through 4 random layers.
+
+  Matrices N(0, 0.1) (router and conv N(0, 0.3)), embedding N(0, 0.5),
+  lm_head N(0, 0.5) (logit std ~4). Zero-centred (1 + w) norms N(0, 0.2); the
+  plain-w gated norm inside GDN 1 + N(0, 0.1). A = exp(A_log) ~ U(1, 16) and
+  softplus(dt_bias) log-uniform in [1e-3, 0.1] (Mamba's dt init), so per-step
+  decays exp(-A softplus(a + dt_bias)) span short and long memories.
+  """
+  with torch.no_grad():
+    for name, param in sorted(params.items()):
+      normal = torch.randn(param.shape, generator=gen)
+      uniform = torch.rand(param.shape, generator=gen)
+      if name.endswith('A_log'):
+        value = (1.0 + 15.0 * uniform).log()
+      elif name.endswith('dt_bias'):
+        dt = torch.exp(math.log(1e-3) + uniform * math.log(100.0))
+        value = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt).
+      elif name.endswith('linear_attn.norm.weight'):
+        value = 1.0 + 0.1 * normal
+      elif name.endswith('norm.weight'):
+        value = 0.2 * normal
+      elif name.endswith(('embed_tokens.weight', 'lm_head.weight')):
+        value = 0.5 * normal
+      elif name.endswith(('conv1d.weight', 'mlp.gate.weight')):
+        value = 0.3 * normal
+      else:
+        value = 0.1 * normal
+      param.copy_(value)
+
+
+def unfuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+  """transformers' 3-D experts -> Hub per-expert `experts.{e}.*_proj.weight`."""
+  out = {}
+  for name, value in tensors.items():
+    if name.endswith('experts.gate_up_proj'):  # [E, 2I, H]: gate rows, up rows.
+      prefix = name[:-len('gate_up_proj')]
+      gate, up = value.chunk(2, dim=1)
+      for e in range(value.shape[0]):
+        out[f'{prefix}{e}.gate_proj.weight'] = gate[e].contiguous()
+        out[f'{prefix}{e}.up_proj.weight'] = up[e].contiguous()
+    elif name.endswith('experts.down_proj'):  # [E, H, I].
+      prefix = name[:-len('down_proj')]
+      for e in range(value.shape[0]):
+        out[f'{prefix}{e}.down_proj.weight'] = value[e].contiguous()
+    else:
+      out[name] = value.contiguous()
+  return out
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+  """Inverse of unfuse_experts."""
+  out, experts = {}, {}
+  for name, value in tensors.items():
+    head, sep, tail = name.partition('.experts.')
+    if not sep:
+      out[name] = value
+      continue
+    e, proj = tail.split('.')[:2]
+    experts.setdefault(head, {}).setdefault(int(e), {})[proj] = value
+  for head, by_expert in experts.items():
+    ids = sorted(by_expert)
+    assert ids == list(range(len(ids))), ids
+    out[f'{head}.experts.gate_up_proj'] = torch.stack(
+        [torch.cat([by_expert[e]['gate_proj'], by_expert[e]['up_proj']])
+         for e in ids])
+    out[f'{head}.experts.down_proj'] = torch.stack(
+        [by_expert[e]['down_proj'] for e in ids])
+  return out
+
+
+def save_qwen_checkpoint(model, mtp: QwenMtp, spec: QwenSpec, tok,
+                         out: pathlib.Path):
+  """Saves config, generation config, f32 safetensors and tokenizer.
+
+  The safetensors follows the Hub: per-expert MoE names, and the `mtp.*`
+  tensors (which transformers neither builds nor loads) next to the model's.
+  """
+  if out.exists():
+    shutil.rmtree(out)
+  out.mkdir(parents=True)
+  model.save_pretrained(out)
+  path = out / 'model.safetensors'
+  assert sorted(p.name for p in out.glob('*.safetensors')) == [path.name]
+  with safetensors.safe_open(path, 'pt') as f:
+    metadata = f.metadata()
+    tensors = {key: f.get_tensor(key) for key in f.keys()}
+  # transformers 5 un-fuses its 3-D experts on save: check it matches ours.
+  ours = unfuse_experts(model.state_dict())
+  assert sorted(tensors) == sorted(ours), set(tensors) ^ set(ours)
+  for name, value in tensors.items():
+    assert torch.equal(value, ours[name]), name
+  mtp_tensors = unfuse_experts(
+      {f'mtp.{k}': v for k, v in mtp.state_dict().items()})
+  safetensors.torch.save_file({**tensors, **mtp_tensors}, path, metadata)
+
+  saved = json.loads((out / 'config.json').read_text())
+  write_json(out / 'config.json', qwen_config_dict(spec, saved))
+  gen_config = transformers.GenerationConfig(
+      bos_token_id=BOS, eos_token_id=[EOS, END_OF_TURN], pad_token_id=PAD)
+  gen_config.save_pretrained(out)
+  write_tokenizer(tok, out)
+
+  with safetensors.safe_open(path, 'pt') as f:
+    names = list(f.keys())
+    for key in names:
+      assert f.get_slice(key).get_dtype() == 'F32', key
+  assert not any('gate_up_proj' in n or n.endswith('experts.down_proj')
+                 for n in names), names
+  moe_prefixes = [f'model.layers.{i}.mlp' for i in range(len(QWEN_LAYER_TYPES))]
+  moe_prefixes.append('mtp.layers.0.mlp')
+  for prefix in moe_prefixes if spec.moe else []:
+    for e in range(model.config.num_experts):
+      for proj in ('gate_proj', 'up_proj', 'down_proj'):
+        assert f'{prefix}.experts.{e}.{proj}.weight' in names, (prefix, e, proj)
+
+
+def load_qwen_mtp(ref, path: pathlib.Path) -> QwenMtp:
+  """Builds the MTP head on the reloaded model from the file's `mtp.*`."""
+  with safetensors.safe_open(path, 'pt') as f:
+    tensors = {k[len('mtp.'):]: f.get_tensor(k) for k in f.keys()
+               if k.startswith('mtp.')}
+  mtp = QwenMtp(ref).eval()
+  mtp.load_state_dict(fuse_experts(tensors), strict=True)
+  return mtp
+
+
+@contextlib.contextmanager
+def record_gdn_paths(model):
+  """Records which GDN kernels (chunked / recurrent, conv) run, with lengths."""
+  module = sys.modules[type(model).__module__]
+  names = ('torch_chunk_gated_delta_rule', 'torch_recurrent_gated_delta_rule',
+           'causal_conv1d_fn', 'causal_conv1d_update')
+  originals = {name: getattr(module, name) for name in names}
+  calls = []
+
+  def wrap(name, fn):
+    def recorded(*args, **kwargs):
+      x = args[0]  # query [B, T, N, D] or conv input [B, C, T].
+      calls.append((name, x.shape[1] if 'delta' in name else x.shape[-1]))
+      return fn(*args, **kwargs)
+    return recorded
+
+  for name in names:
+    setattr(module, name, wrap(name, originals[name]))
+  try:
+    yield calls
+  finally:
+    for name in names:
+      setattr(module, name, originals[name])
+
+
+def count_calls(calls) -> dict[str, int]:
+  """{'kernel(T=length)': number of calls}."""
+  counts = {}
+  for name, length in calls:
+    key = f'{name}(T={length})'
+    counts[key] = counts.get(key, 0) + 1
+  return counts
+
+
+def make_qwen(spec: QwenSpec, tok: tokenizers.Tokenizer):
+  """Writes one tiny Qwen hybrid checkpoint (with MTP) and its reference npz."""
+  for package in ('fla', 'causal_conv1d', 'kernels'):  # Pure-torch GDN only.
+    assert importlib.util.find_spec(package) is None, package
+  out = FIXTURES / spec.name
+  torch.manual_seed(spec.seed)
+  gen = torch.Generator().manual_seed(spec.seed)
+  config = qwen_config(spec)
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  if spec.moe:  # The per-expert loop, not grouped_mm.
+    config._experts_implementation = 'eager'  # pylint: disable=protected-access
+  model = getattr(transformers, spec.architecture)(config).eval()
+  init_qwen_weights(dict(model.named_parameters()), gen)
+  mtp = QwenMtp(model).eval()
+  init_qwen_weights(
+      {f'mtp.{k}': v for k, v in mtp.named_parameters()}, gen)
+  save_qwen_checkpoint(model, mtp, spec, tok, out)
+
+  kwargs = {'experts_implementation': 'eager'} if spec.moe else {}
+  ref = load_reference(out, **kwargs)
+  assert ref.config.model_type == model.config.model_type
+  assert type(ref) is type(model)
+  assert ref.config.layer_types == list(QWEN_LAYER_TYPES)
+  assert ref.config.rope_parameters == model.config.rope_parameters
+  assert ref.generation_config.eos_token_id == [EOS, END_OF_TURN]
+  reloaded = ref.state_dict()
+  for name, value in model.state_dict().items():
+    assert torch.equal(value, reloaded[name]), name
+  mtp_ref = load_qwen_mtp(ref, out / 'model.safetensors')
+  for name, value in mtp.state_dict().items():
+    assert torch.equal(value, mtp_ref.state_dict()[name]), name
+
+  prompt_ids = [tok.encode(p).ids for p in QWEN_PROMPTS]
+  assert all(len(ids) == QWEN_SEQ_LEN for ids in prompt_ids), prompt_ids
+  input_ids = torch.tensor(prompt_ids)
+  with torch.inference_mode():
+    with record_gdn_paths(ref) as full_calls:
+      logits = ref(input_ids, use_cache=False).logits
+    assert torch.equal(model(input_ids, use_cache=False).logits, logits)
+    hidden = ref.model(input_ids, use_cache=False).last_hidden_state
+    assert torch.equal(ref.lm_head(hidden), logits)
+
+    with record_gdn_paths(ref) as step_calls:
+      step = ref(input_ids[:, :1], use_cache=True)
+      cache, steps = step.cache, [step.logits]
+      for t in range(1, QWEN_SEQ_LEN):
+        step = ref(input_ids[:, t:t + 1], cache=cache, use_cache=True)
+        steps.append(step.logits)
+    step_logits = torch.cat(steps, dim=1)
+    step_err = (step_logits - logits).abs().max().item()
+    assert step_err < 1e-4, step_err
+
+    mtp_logits = mtp_ref(ref, input_ids, hidden)
+    head = mtp_ref(ref, input_ids[:, :6], hidden[:, :6])  # Causal check.
+    assert torch.allclose(head, mtp_logits[:, :5], atol=1e-5)
+
+  gdn_layers = QWEN_LAYER_TYPES.count(LINEAR)
+  later_steps = gdn_layers * (QWEN_SEQ_LEN - 1)
+  full_counts, step_counts = count_calls(full_calls), count_calls(step_calls)
+  assert full_counts == {
+      f'causal_conv1d_fn(T={QWEN_SEQ_LEN})': gdn_layers,
+      f'torch_chunk_gated_delta_rule(T={QWEN_SEQ_LEN})': gdn_layers,
+  }, full_counts
+  assert step_counts == {  # First token: no state yet, so the chunked path
+      # (its conv runs over the cache's 3 zero columns + the token).
+      'causal_conv1d_fn(T=4)': gdn_layers,
+      'torch_chunk_gated_delta_rule(T=1)': gdn_layers,
+      'causal_conv1d_update(T=1)': later_steps,
+      'torch_recurrent_gated_delta_rule(T=1)': later_steps,
+  }, step_counts
+
+  greedy_ids, margins = [], []
+  for ids in prompt_ids:
+    new, margin = greedy(ref, ids, QWEN_NEW_TOKENS)
+    assert len(new) == QWEN_NEW_TOKENS, ('hit eos early', new)
+    assert not {EOS, END_OF_TURN} & set(new), new
+    check_teacher_forced(ref, ids, new)
+    greedy_ids.append(new)
+    margins.append(margin)
+
+  npz = FIXTURES / f'{spec.name}_reference.npz'
+  np.savez_compressed(
+      npz,
+      input_ids=input_ids.numpy().astype(np.int32),
+      logits=logits.float().numpy(),
+      step_logits=step_logits.float().numpy(),
+      hidden=hidden.float().numpy(),
+      mtp_logits=mtp_logits.float().numpy(),
+      greedy_ids=np.array(greedy_ids, np.int32),
+      greedy_margins=np.array(margins, np.float32),
+  )
+  size = sum(p.stat().st_size for p in out.iterdir())
+  print(f'{spec.name} ({spec.architecture}): logits std {logits.std():.3f} '
+        f'max|.| {logits.abs().max():.3f}; step vs full {step_err:.2e}; '
+        f'mtp logits std {mtp_logits.std():.3f}; greedy {greedy_ids} min '
+        f'margin {np.min(margins):.4f}; checkpoint {size:,d} B, npz '
+        f'{npz.stat().st_size:,d} B')
+  print(f'  GDN paths: full forward {full_counts}; token by token '
+        f'{step_counts}')
+
+
 def package_version(name: str) -> str:
   return importlib.metadata.version(name)
 
@@ -506,14 +922,18 @@ def make_gemma3_270m():
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--only', choices=('tiny_gemma3', 'gemma3_270m'))
+  parser.add_argument('--only', choices=('tiny_gemma3', 'qwen', 'gemma3_270m'))
   args = parser.parse_args()
   torch.use_deterministic_algorithms(True)
   FIXTURES.mkdir(parents=True, exist_ok=True)
-  if args.only in (None, 'tiny_gemma3'):
+  if args.only in (None, 'tiny_gemma3', 'qwen'):
     tok = build_tokenizer()
+  if args.only in (None, 'tiny_gemma3'):
     for spec in TINY_SPECS:
       make_tiny(spec, tok)
+  if args.only in (None, 'qwen'):
+    for spec in QWEN_SPECS:
+      make_qwen(spec, tok)
   if args.only in (None, 'gemma3_270m'):
     make_gemma3_270m()
   for path in sorted(FIXTURES.rglob('*')):

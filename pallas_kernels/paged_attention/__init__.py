@@ -66,9 +66,11 @@ def check_impl(impl: str) -> None:
                      f"of {IMPLS}")
 
 
-# The Triton kernel matches the reference in interpret mode and lowers for CUDA,
-# but has not yet run on a GPU: until it has, "auto" keeps the XLA reference and
-# the kernel is opt-in with impl="pallas".
+# The Triton kernel matches the reference on an H200 (compiled; the engine gives
+# the XLA path's tokens), but "auto" keeps XLA for now: float32 with head dim
+# 256 overflows shared memory with the current block table, and at batch 1 with
+# long contexts the kernel is slower than XLA (benchmarks/README.md). Opt in
+# with impl="pallas".
 AUTO_PICKS_PALLAS = False
 
 

@@ -121,7 +121,9 @@ def _kernel(
     pages = jnp.clip(pages, 0, n_pages - 1)
     k = k_ref[pages].reshape(block_k, head_dim).astype(q.dtype)
     v = v_ref[pages].reshape(block_k, head_dim)
+    # HIGHEST: float32 inputs multiply in IEEE f32, not TF32 (no-op for bf16).
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                        precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32) * scale
     if logit_softcap is not None:
       s = logit_softcap * jnp.tanh(s / logit_softcap)
@@ -134,6 +136,7 @@ def _kernel(
     correction = jnp.exp(m - m_next)
     l = l * correction + p.sum(axis=-1)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         precision=lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)
     return acc * correction[:, None] + pv, m_next, l
 

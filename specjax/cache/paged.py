@@ -10,6 +10,15 @@ query rows, so padding never touches a live page. Rollback is by length: a
 verify step that rejects drafts just does not advance `lengths`; the stale
 slots are masked out by length and overwritten later.
 
+Hybrid models (Gated DeltaNet layers) also carry recurrent state, which cannot
+be truncated. Each such layer keeps S = max draft + 1 state slots per row:
+  ssm: per layer `[B, S, N, Dk, Dv]` float32, conv: per layer `[B, S, W - 1, C]`,
+  state_slot: `[B]` int32, the slot that holds each row's current state.
+A step over T <= S positions writes the state after position t into slot t;
+committing the first `a` positions is `state_slot = a - 1` (rollback is slot
+selection, no copy). A longer prefill chunk writes only its final state, into
+slot 0. The slots cost S times one state: see `state_bytes`.
+
 Host side (`PageAllocator`): a free list of page ids with allocate / extend /
 free and a clear error when the pool runs out.
 """
@@ -35,6 +44,19 @@ class KVCache:
   v_pages: tuple[jax.Array, ...]  # per layer [K, P, page_size, H]
   block_tables: jax.Array  # [B, pages_per_seq] int32
   lengths: jax.Array  # [B] int32
+  ssm: tuple[jax.Array, ...] = ()  # per recurrent layer [B, S, N, Dk, Dv]
+  conv: tuple[jax.Array, ...] = ()  # per recurrent layer [B, S, W - 1, C]
+  state_slot: jax.Array | None = None  # [B] int32, or None without recurrent layers
+
+  @property
+  def num_slots(self) -> int:
+    return self.ssm[0].shape[1] if self.ssm else 0
+
+  def commit(self, lengths: jax.Array, fed: jax.Array) -> KVCache:
+    """Keeps the first `fed` [B] positions of the last step: new lengths, state slot."""
+    if self.state_slot is None:
+      return dataclasses.replace(self, lengths=lengths)
+    return dataclasses.replace(self, lengths=lengths, state_slot=jnp.maximum(fed - 1, 0).astype(jnp.int32))
 
   @property
   def page_size(self) -> int:
@@ -54,11 +76,32 @@ class KVCache:
       page_size: int,
       block_tables: np.ndarray,  # [B, pages_per_seq]
       dtype=jnp.float32,
+      state_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = (),  # per recurrent layer (ssm, conv) per row
+      num_slots: int = 1,
   ) -> KVCache:
     k = tuple(jnp.zeros((kv, num_pages, page_size, h), dtype) for kv, h in layer_shapes)
     v = tuple(jnp.zeros((kv, num_pages, page_size, h), dtype) for kv, h in layer_shapes)
     bt = jnp.asarray(block_tables, jnp.int32)
-    return cls(k, v, bt, jnp.zeros((bt.shape[0],), jnp.int32))
+    b = bt.shape[0]
+    ssm = tuple(jnp.zeros((b, num_slots, *s), jnp.float32) for s, _ in state_shapes)
+    conv = tuple(jnp.zeros((b, num_slots, *c), dtype) for _, c in state_shapes)
+    slot = jnp.zeros((b,), jnp.int32) if state_shapes else None
+    return cls(k, v, bt, jnp.zeros((b,), jnp.int32), ssm, conv, slot)
+
+
+def state_bytes(cache: KVCache) -> int:
+  """Bytes of the recurrent state slots (all layers, rows and slots)."""
+  return sum(x.size * x.dtype.itemsize for x in cache.ssm + cache.conv)
+
+
+def step_layout(
+    cache: KVCache, query_lens: jax.Array, t: int  # query_lens [B]
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
+  """Positions [B, T], page slots of a T-token step, and key counts [B] after it."""
+  positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+  valid = jnp.arange(t)[None, :] < query_lens[:, None]
+  slots = token_slots(cache.block_tables, positions, valid, cache.page_size)
+  return positions, slots, cache.lengths + query_lens
 
 
 def token_slots(

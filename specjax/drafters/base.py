@@ -4,16 +4,18 @@ A drafter is a static, hashable description (it is a static argument of the
 jitted step); its weights and state are pytrees passed in explicitly:
 
   init_state(plan)                          -> state        (host, once per batch)
-  prefill(target, params, state, tokens, query_lens) -> state   (jitted, prompt chunks)
+  prefill(target, params, state, tokens, query_lens, hidden) -> state   (jitted, prompt chunks)
   propose(target, params, state, cache, ctx, k, sampling)
       -> Proposal(drafts [B, K], draft_lens [B], q [B, K, V] | None, state, cache)
-  commit(params, state, ctx, n_emitted, taps) -> state
+  commit(params, state, ctx, n_emitted, taps, hidden) -> state
 
 `target` is the merged target module (layer-skip drafts with its first layers;
 others ignore it). `cache` is the target's KV cache: a drafter may write draft
 positions into it (the verify pass overwrites them). `taps` are the target
 hidden states after the layers in `drafter.taps`, from the verify pass, for
-drafters conditioned on them (MTP heads, EAGLE, DFlash).
+drafters conditioned on them (EAGLE, DFlash); `hidden` is the target's
+final-normed hidden state of the prompt chunk / verify block (`[B, T, D]`,
+verify blocks padded to K + 1), for drafters with `reads_hidden` (MTP heads).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class BatchPlan:
   num_pages: int
   page_size: int
   block_tables: Any  # np.ndarray [B, pages_per_seq]
+  max_draft: int = 0  # the deepest K a step may draft
 
 
 class Drafter:
@@ -63,6 +66,7 @@ class Drafter:
   taps: tuple[int, ...] = ()
   provides_q: bool = False  # True when propose returns q at temperature > 0
   variable_length: bool = False  # drafts may be shorter than K (verify only what is needed)
+  reads_hidden: bool = False  # prefill / commit get the target's final hidden states
   max_depth: int = 16
 
   def params(self) -> Any:
@@ -72,11 +76,12 @@ class Drafter:
   def init_state(self, plan: BatchPlan) -> Any:
     return ()
 
-  def prefill(self, target, params, state, tokens, query_lens):
+  def prefill(self, target, params, state, tokens, query_lens, hidden):
     return state
 
   def propose(self, target, params, state, cache: KVCache, ctx: DraftContext, k: int, sampling) -> Proposal:
     raise NotImplementedError
 
-  def commit(self, params, state, ctx: DraftContext, n_emitted: jax.Array, taps: tuple[jax.Array, ...]):
+  def commit(self, params, state, ctx: DraftContext, n_emitted: jax.Array, taps: tuple[jax.Array, ...],
+             hidden: jax.Array | None = None):
     return state

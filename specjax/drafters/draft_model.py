@@ -77,7 +77,7 @@ class DraftModelDrafter(Drafter):
     return KVCache.create(self.model.kv_shapes, num_pages=plan.num_pages, page_size=plan.page_size,
                           block_tables=plan.block_tables)
 
-  def prefill(self, target, params, state, tokens, query_lens):
+  def prefill(self, target, params, state, tokens, query_lens, hidden):
     _, state = nnx.merge(self.model.graphdef, params)(tokens, state, query_lens)
     return state
 
@@ -92,6 +92,6 @@ class DraftModelDrafter(Drafter):
     draft_lens = jnp.where(ctx.active, k, 0)
     return Proposal(drafts, draft_lens, q, state, cache)
 
-  def commit(self, params, state: KVCache, ctx: DraftContext, n_emitted, taps):
+  def commit(self, params, state: KVCache, ctx: DraftContext, n_emitted, taps, hidden=None):
     # Valid: everything up to the new last token, at most what was written.
     return dataclasses.replace(state, lengths=jnp.minimum(state.lengths, ctx.lengths))

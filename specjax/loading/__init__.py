@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -31,23 +32,59 @@ def resolve(spec: str) -> str:
       f'or a demo name ({", ".join(DEMO_MODELS)})')
 
 
-def load_checkpoint(spec: str) -> Checkpoint:
-  """Reads a checkpoint (config, weights, tokenizer) without building a model."""
+MTP_PREFIX = 'mtp.'
+
+
+def check_mtp(path: str, config: dict | None) -> None:
+  """Built-in MTP needs an HF checkpoint of an MTP family with `mtp.*` weights (headers only are read)."""
+  if config is None:
+    raise SpecjaxError(f'{path}: built-in MTP (--mtp) is not supported from GGUF checkpoints; '
+                       'use the HF safetensors checkpoint, which carries the mtp.* weights')
+  arch, family = family_for(config, path)
+  if not family.has_mtp:
+    raise SpecjaxError(f'{path}: {arch} models have no built-in MTP head (--mtp is for Qwen3.5 / Qwen3-Next)')
+  from specjax.loading.hf import tensor_names
+  names = tensor_names(path)
+  if 'mtp.fc.weight' not in names:
+    raise SpecjaxError(f'{path}: no built-in MTP weights (mtp.* tensors) in this checkpoint; '
+                       'drop --mtp or use a drafter (--drafter ngram / draft-model)')
+  layers = {n.split('.')[2] for n in names if n.startswith('mtp.layers.')}
+  if layers != {'0'}:
+    raise SpecjaxError(f'{path}: the MTP head has layers {sorted(layers)}; specjax runs one MTP layer (mtp.layers.0)')
+
+
+def load_checkpoint(spec: str, *, mtp: bool = False) -> Checkpoint:
+  """Reads a checkpoint (config, weights, tokenizer) without building a model.
+
+  `mtp.*` weights (a built-in MTP head) are read only with `mtp=True`, which
+  first checks that the checkpoint has them.
+  """
   path = resolve(spec)
   if os.path.isdir(path):
     from specjax.loading.hf import load_hf_dir, read_hf_config
     config = read_hf_config(path)
     family_for(config, path)  # unknown architectures fail before reading weights
-    return load_hf_dir(path, config=config)
+    if mtp:
+      check_mtp(path, config)
+    return load_hf_dir(path, config=config, skip=() if mtp else (MTP_PREFIX,))
+  if mtp:
+    check_mtp(path, None)
   from specjax.loading.gguf import load_gguf
   return load_gguf(path)
 
 
-def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto'):
+def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto', mtp: bool = False):
   """Builds the NNX module abstractly, splits it once and fills in the weights."""
   from specjax.models.base import Model
   arch, family = family_for(ckpt.config, ckpt.source)
   cfg = family.config_from_hf(ckpt.config)
+  if mtp:
+    if not family.has_mtp:
+      raise SpecjaxError(f'{ckpt.source}: {arch} models have no built-in MTP head')
+    cfg = dataclasses.replace(cfg, mtp=True)
+  else:  # a checkpoint's MTP head is only loaded for --mtp
+    for name in [n for n in ckpt.tensors if n.startswith(MTP_PREFIX)]:
+      del ckpt.tensors[name]
   abstract = nnx.eval_shape(lambda: family.module(cfg, attention_impl=attention_impl))
   graphdef, state = nnx.split(abstract)
   pure = family.params_from_hf(cfg, ckpt.tensors)
@@ -56,10 +93,15 @@ def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto'):
     raise SpecjaxError(f'{ckpt.source}: {len(ckpt.tensors)} unexpected weights, e.g. {extra}')
   pure = jax.tree.map(jnp.asarray, pure)
   nnx.replace_by_pure_dict(state, pure)
+  state_shapes = abstract.state_layer_shapes() if hasattr(abstract, 'state_layer_shapes') else []
   return Model(graphdef, state, cfg, ckpt.tokenizer, ckpt.generation, ckpt.source, arch,
-               kv_shapes=abstract.kv_layer_shapes())
+               kv_shapes=abstract.kv_layer_shapes(), state_shapes=state_shapes)
 
 
-def load(spec: str, *, attention_impl: str = 'auto'):
-  """Loads a model by demo name (`gemma-3-270m`), local path or hub id."""
-  return build_model(load_checkpoint(spec), attention_impl=attention_impl)
+def load(spec: str, *, attention_impl: str = 'auto', mtp: bool = False):
+  """Loads a model by demo name (`gemma-3-270m`), local path or hub id.
+
+  `mtp=True` also loads the checkpoint's built-in multi-token-prediction head
+  (Qwen3.5 / Qwen3-Next `mtp.*`), for `drafters.make_drafter('mtp', model)`.
+  """
+  return build_model(load_checkpoint(spec, mtp=mtp), attention_impl=attention_impl, mtp=mtp)

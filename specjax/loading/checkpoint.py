@@ -9,9 +9,11 @@ The model families turn that into NNX params (`specjax.models.<family>`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+
+from specjax.errors import SpecjaxError
 
 
 @dataclasses.dataclass
@@ -34,3 +36,17 @@ class Checkpoint:
   tokenizer: Any  # specjax.loading.tokenizer.Tokenizer
   generation: GenerationDefaults
   source: str  # where it came from, for manifests and messages
+
+
+def tensor_taker(tensors: dict[str, np.ndarray]) -> Callable[[str, tuple[int, ...]], np.ndarray]:
+  """`take(name, shape)`: pops an HF tensor, with clear errors for a missing one or a wrong shape."""
+
+  def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    w = tensors.pop(name, None)
+    if w is None:
+      raise SpecjaxError(f'checkpoint is missing weight {name!r}')
+    if w.shape != shape:
+      raise SpecjaxError(f'weight {name!r} has shape {tuple(w.shape)}, config expects {shape}')
+    return w
+
+  return take

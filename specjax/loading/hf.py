@@ -41,15 +41,26 @@ def safetensors_files(directory: str) -> list[str]:
   return [os.path.join(directory, f) for f in files]
 
 
-def read_safetensors(files: list[str]) -> dict[str, np.ndarray]:
-  """All tensors as float32 numpy arrays (bf16/f16 are widened)."""
+def read_safetensors(files: list[str], skip: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+  """All tensors (but names starting with `skip`) as float32 numpy arrays (bf16/f16 are widened)."""
   from safetensors import safe_open
   tensors = {}
   for path in files:
     with safe_open(path, framework='numpy') as f:
       for name in f.keys():
-        tensors[name] = np.asarray(f.get_tensor(name), np.float32)
+        if not (skip and name.startswith(skip)):
+          tensors[name] = np.asarray(f.get_tensor(name), np.float32)
   return tensors
+
+
+def tensor_names(directory: str) -> set[str]:
+  """Weight names of a checkpoint directory, from the safetensors headers only."""
+  from safetensors import safe_open
+  names = set()
+  for path in safetensors_files(directory):
+    with safe_open(path, framework='numpy') as f:
+      names.update(f.keys())
+  return names
 
 
 def generation_defaults(directory: str, config: dict) -> GenerationDefaults:
@@ -77,8 +88,8 @@ def read_hf_config(directory: str) -> dict:
   return read_json(path)
 
 
-def load_hf_dir(directory: str, *, config: dict | None = None) -> Checkpoint:
-  """Loads a local HF checkpoint directory."""
+def load_hf_dir(directory: str, *, config: dict | None = None, skip: tuple[str, ...] = ()) -> Checkpoint:
+  """Loads a local HF checkpoint directory (weights named `skip*` are not read)."""
   from specjax.loading.tokenizer import Tokenizer
   config = config or read_hf_config(directory)
   generation = generation_defaults(directory, config)
@@ -86,7 +97,7 @@ def load_hf_dir(directory: str, *, config: dict | None = None) -> Checkpoint:
   if not os.path.exists(tok_path):
     raise SpecjaxError(f'{directory} has no tokenizer.json')
   tokenizer = Tokenizer.from_file(tok_path, bos_id=generation.bos_token_id, eos_ids=generation.eos_token_ids)
-  tensors = read_safetensors(safetensors_files(directory))
+  tensors = read_safetensors(safetensors_files(directory), skip)
   return Checkpoint(config, tensors, tokenizer, generation, source=os.path.abspath(directory))
 
 

@@ -13,6 +13,7 @@ class Family:
   config_from_hf: Callable[[dict], Any]
   module: type  # nnx.Module class taking (config, attention_impl=...)
   params_from_hf: Callable[[Any, dict], dict]
+  has_mtp: bool = False  # checkpoints may carry a built-in MTP head (mtp.*)
 
 
 def _gemma3() -> Family:
@@ -20,10 +21,20 @@ def _gemma3() -> Family:
   return Family(gemma3.Gemma3Config.from_hf, gemma3.Gemma3, gemma3.params_from_hf)
 
 
+def _qwen3_5() -> Family:
+  from specjax.models import qwen3_5
+  return Family(qwen3_5.Qwen35Config.from_hf, qwen3_5.Qwen35, qwen3_5.params_from_hf, has_mtp=True)
+
+
 # HF `model_type` -> family factory (imported lazily).
 ARCHITECTURES: dict[str, Callable[[], Family]] = {
     'gemma3_text': _gemma3,
     'gemma3': _gemma3,
+    'qwen3_5': _qwen3_5,  # Qwen3.5 dense hybrid (multimodal wrapper: text_config)
+    'qwen3_5_text': _qwen3_5,
+    'qwen3_5_moe': _qwen3_5,  # Qwen3.5 MoE hybrid
+    'qwen3_5_moe_text': _qwen3_5,
+    'qwen3_next': _qwen3_5,  # Qwen3-Next MoE hybrid
 }
 
 

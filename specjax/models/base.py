@@ -21,6 +21,12 @@ class Model:
   source: str
   architecture: str
   kv_shapes: list[tuple[int, int]]  # (kv heads, head dim) of each attention layer
+  state_shapes: list = dataclasses.field(default_factory=list)  # per recurrent layer (ssm, conv) shapes per row
+
+  @property
+  def is_hybrid(self) -> bool:
+    """Has recurrent (Gated DeltaNet) layers, whose state rolls back by slots."""
+    return bool(self.state_shapes)
 
   def module(self) -> nnx.Module:
     """The merged module (for use inside jitted functions)."""

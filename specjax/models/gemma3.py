@@ -21,8 +21,9 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.paged_attention import paged_attention
-from specjax.cache.paged import KVCache, token_slots, write_kv
+from specjax.cache.paged import KVCache, step_layout, write_kv
 from specjax.errors import SpecjaxError
+from specjax.loading.checkpoint import tensor_taker
 from specjax.models.layers import ACTIVATIONS, GatedMLP, RMSNorm, apply_rope
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'
@@ -203,10 +204,7 @@ class Gemma3(nnx.Module):
     """
     t = tokens.shape[1]
     num_layers = self.cfg.num_layers if num_layers is None else num_layers
-    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    valid = jnp.arange(t)[None, :] < query_lens[:, None]
-    slots = token_slots(cache.block_tables, positions, valid, cache.page_size)
-    kv_lens = cache.lengths + query_lens
+    positions, slots, kv_lens = step_layout(cache, query_lens, t)
     embed = self.embed_tokens[...]
     x = jnp.take(embed, tokens, axis=1)  # [D, B, T]
     x = jnp.moveaxis(x, 0, -1) * jnp.asarray(self.cfg.hidden_size**0.5, embed.dtype)
@@ -216,7 +214,7 @@ class Gemma3(nnx.Module):
           x, positions, k_all[i], v_all[i], slots, cache.block_tables, kv_lens, query_lens)
       if i in taps:
         tapped[i] = x
-    new_cache = KVCache(tuple(k_all), tuple(v_all), cache.block_tables, kv_lens)
+    new_cache = dataclasses.replace(cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens)
     return self.norm(x), new_cache, tuple(tapped[i] for i in taps)
 
   def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
@@ -232,13 +230,7 @@ def params_from_hf(cfg: Gemma3Config, tensors: dict[str, np.ndarray]) -> dict[st
   """Maps HF-named tensors (PyTorch layout) to the pure-dict state of `Gemma3`."""
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-  def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    w = tensors.pop(name, None)
-    if w is None:
-      raise SpecjaxError(f'checkpoint is missing weight {name!r}')
-    if w.shape != shape:
-      raise SpecjaxError(f'weight {name!r} has shape {tuple(w.shape)}, config expects {shape}')
-    return w
+  take = tensor_taker(tensors)
 
   def norm(name, dim):
     return {'scale': take(name, (dim,))}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# GPU checks, run on a CUDA machine from the repo root (no install needed:
+# jax, flax, numpy, pytest, tokenizers and safetensors must be importable).
+#   bash benchmarks/gpu_checks.sh OUTDIR
+# 1. the Triton paged attention kernel compiled for real vs the reference;
+# 2. the engine with impl="pallas" gives the XLA path's tokens;
+# 3. benchmarks/paged_attention.py (kernel vs XLA vs jax's one-query kernel).
+set -uo pipefail
+out=${1:-gpu_checks_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+py=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+$py -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())' | tee -a "$out/gpu.txt"
+$py -m pytest -q -p no:cacheprovider tests/test_paged_attention_kernel.py -k 'not Interpret' \
+    tests/test_gpu_engine.py 2>&1 | tee "$out/tests.log"
+$py benchmarks/paged_attention.py --batch 1 8 64 --context 4096 32768 --queries 1 4 8 \
+    --json "$out/paged_attention.json" 2>&1 | tee "$out/paged_attention.log"

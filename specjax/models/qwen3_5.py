@@ -1,0 +1,522 @@
+"""Qwen3.5 / Qwen3-Next hybrids as Flax NNX modules: Gated DeltaNet + gated attention.
+
+Facts (HF `modeling_qwen3_5.py`, `modeling_qwen3_5_moe.py`, `modeling_qwen3_next.py`):
+layer i is full attention or Gated DeltaNet (`layer_types`, by default every
+4th is attention); (1 + w) RMSNorms except the GDN output norm (plain w, gated
+by silu(z)); attention with q/k norms, RoPE on the first 25% of each head
+(NeoX halves), an output gate `sigmoid(gate)` packed per head after the query
+in `q_proj`; SwiGLU MLPs, or a mixture of experts (softmax router, top-k,
+renormalised weights, a shared expert scaled by `sigmoid(shared_expert_gate)`);
+no embedding scale; untied head unless `tie_word_embeddings`. Checkpoints may
+carry a multi-token-prediction head (`mtp.*`), built here when asked for.
+
+Decode and verify steps (T <= the cache's state slots) run the recurrent GDN
+form and keep the state after every position; longer prefill chunks run the
+chunked form and keep only the last state (see `specjax.cache.paged`).
+
+Einsum letters: B batch, T tokens, D model, F MLP dim, E experts, X top-k
+slots, N query heads, K kv heads, H head dim, V vocab; in GDN: C conv channels,
+G value heads, S state slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pallas_kernels.paged_attention import paged_attention
+from specjax.cache.paged import KVCache, step_layout, write_kv
+from specjax.errors import SpecjaxError
+from specjax.loading.checkpoint import tensor_taker
+from specjax.models import gated_deltanet as gdn
+from specjax.models.layers import GatedMLP, RMSNorm, apply_rope
+
+LINEAR, FULL = 'linear_attention', 'full_attention'
+MOE_TYPES = ('qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_next')
+MODEL_TYPES = ('qwen3_5', 'qwen3_5_text') + MOE_TYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Config:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  layer_types: tuple[str, ...]
+  linear_num_key_heads: int
+  linear_num_value_heads: int
+  linear_key_head_dim: int
+  linear_value_head_dim: int
+  linear_conv_kernel_dim: int = 4
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10_000_000.0
+  partial_rotary_factor: float = 0.25
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 32768
+  moe_layers: tuple[bool, ...] = ()  # per layer: sparse MoE block instead of a dense MLP
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  shared_expert_intermediate_size: int = 0
+  norm_topk_prob: bool = True
+  fused_gdn_proj: bool = False  # Qwen3-Next packs in_proj_qkvz / in_proj_ba per key-head group
+  mtp: bool = False  # build the MTP head (its weights are then loaded)
+  chunk_size: int = 64
+
+  @property
+  def rotary_dim(self) -> int:
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  @classmethod
+  def from_hf(cls, hf: dict[str, Any]) -> Qwen35Config:
+    """Reads an HF Qwen3.5 / Qwen3.5-MoE / Qwen3-Next config (or its `text_config`)."""
+    model_type = hf.get('model_type')
+    hf = hf.get('text_config', hf)
+    try:
+      layers = int(hf['num_hidden_layers'])
+      layer_types = hf.get('layer_types')
+      if layer_types is None:
+        interval = int(hf.get('full_attention_interval', 4))
+        layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
+      unknown = sorted(set(layer_types) - {LINEAR, FULL})
+      if unknown:
+        raise SpecjaxError(f'{model_type} config: unknown layer types {unknown} (known: {LINEAR!r}, {FULL!r})')
+      if len(layer_types) != layers:
+        raise SpecjaxError(f'{model_type} config: {len(layer_types)} layer_types for {layers} layers')
+      rope = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
+      if rope.get('rope_type', rope.get('type', 'default')) not in ('default', 'mrope'):
+        raise SpecjaxError(f'{model_type} config: unsupported rope {rope}')
+      heads = int(hf['num_attention_heads'])
+      moe = model_type in MOE_TYPES
+      experts = int(hf.get('num_experts', 0)) if moe else 0
+      sparse_step = int(hf.get('decoder_sparse_step', 1))
+      mlp_only = set(hf.get('mlp_only_layers') or [])
+      moe_layers = tuple(experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0 for i in range(layers))
+      cfg = cls(
+          vocab_size=int(hf['vocab_size']),
+          hidden_size=int(hf['hidden_size']),
+          intermediate_size=int(hf.get('intermediate_size') or 0),
+          num_layers=layers,
+          num_heads=heads,
+          num_kv_heads=int(hf.get('num_key_value_heads', heads)),
+          head_dim=int(hf.get('head_dim') or hf['hidden_size'] // heads),
+          layer_types=tuple(layer_types),
+          linear_num_key_heads=int(hf['linear_num_key_heads']),
+          linear_num_value_heads=int(hf['linear_num_value_heads']),
+          linear_key_head_dim=int(hf['linear_key_head_dim']),
+          linear_value_head_dim=int(hf['linear_value_head_dim']),
+          linear_conv_kernel_dim=int(hf.get('linear_conv_kernel_dim', 4)),
+          rms_norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
+          rope_theta=float(rope.get('rope_theta') or hf.get('rope_theta') or 10_000.0),
+          partial_rotary_factor=float(rope.get('partial_rotary_factor') or hf.get('partial_rotary_factor') or 0.25),
+          tie_word_embeddings=bool(hf.get('tie_word_embeddings', False)),
+          max_position_embeddings=int(hf.get('max_position_embeddings', 32768)),
+          moe_layers=moe_layers,
+          num_experts=experts,
+          num_experts_per_tok=int(hf.get('num_experts_per_tok', 0)) if moe else 0,
+          moe_intermediate_size=int(hf.get('moe_intermediate_size', 0)) if moe else 0,
+          shared_expert_intermediate_size=int(hf.get('shared_expert_intermediate_size', 0)) if moe else 0,
+          norm_topk_prob=bool(hf.get('norm_topk_prob', True)) if model_type == 'qwen3_next' else True,
+          fused_gdn_proj=model_type == 'qwen3_next',
+      )
+    except KeyError as e:
+      raise SpecjaxError(f'{model_type} config: missing key {e.args[0]!r}') from None
+    cfg.validate(model_type)
+    return cfg
+
+  def validate(self, model_type: str) -> None:
+    where = f'{model_type} config'
+    if self.linear_num_value_heads % self.linear_num_key_heads:
+      raise SpecjaxError(f'{where}: linear_num_value_heads ({self.linear_num_value_heads}) is not a multiple of '
+                         f'linear_num_key_heads ({self.linear_num_key_heads})')
+    if self.num_heads % self.num_kv_heads:
+      raise SpecjaxError(f'{where}: num_attention_heads ({self.num_heads}) is not a multiple of '
+                         f'num_key_value_heads ({self.num_kv_heads})')
+    if model_type in MOE_TYPES:
+      if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        raise SpecjaxError(f'{where}: num_experts_per_tok ({self.num_experts_per_tok}) must be in '
+                           f'1..num_experts ({self.num_experts})')
+      if self.moe_intermediate_size < 1:
+        raise SpecjaxError(f'{where}: moe_intermediate_size must be positive, got {self.moe_intermediate_size}')
+    if any(not m for m in self.moe_layers) and self.intermediate_size < 1:
+      raise SpecjaxError(f'{where}: dense layers need intermediate_size, got {self.intermediate_size}')
+
+
+def _param(*shape):
+  return nnx.Param(jnp.zeros(shape, jnp.float32))
+
+
+def _norm(cfg: Qwen35Config, dim: int) -> RMSNorm:
+  return RMSNorm(dim, eps=cfg.rms_norm_eps, offset=1.0)
+
+
+class GatedAttention(nnx.Module):
+  """Full attention with q/k norms, partial RoPE and a sigmoid output gate."""
+
+  def __init__(self, cfg: Qwen35Config, attention_impl: str):
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.qkvg_proj = _param(d, (2 * n + 2 * k) * h)  # query | key | value | gate
+    self.o_proj = _param(n * h, d)
+    self.q_norm = _norm(cfg, h)
+    self.k_norm = _norm(cfg, h)
+    self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+    self.rotary_dim, self.rope_base = cfg.rotary_dim, cfg.rope_theta
+    self.impl = attention_impl
+
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, D]
+      positions: jax.Array,  # [B, T]
+      k_pages: jax.Array,  # [K, P, page, H]
+      v_pages: jax.Array,  # [K, P, page, H]
+      slots: tuple[jax.Array, jax.Array],  # page ids, in-page slots, each [B, T]
+      block_tables: jax.Array,  # [B, pages_per_seq]
+      kv_lens: jax.Array,  # [B]
+      query_lens: jax.Array,  # [B]
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    b, t, _ = x.shape
+    n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+    qkvg = jnp.einsum('btd,de->bte', x, self.qkvg_proj[...]).reshape(b, t, 2 * n + 2 * k, h)
+    q = apply_rope(self.q_norm(qkvg[:, :, :n]), positions, base=self.rope_base, rotary_dim=self.rotary_dim)
+    key = apply_rope(self.k_norm(qkvg[:, :, n:n + k]), positions, base=self.rope_base, rotary_dim=self.rotary_dim)
+    value, gate = qkvg[:, :, n + k:n + 2 * k], qkvg[:, :, n + 2 * k:]
+    k_pages = write_kv(k_pages, key, *slots)
+    v_pages = write_kv(v_pages, value, *slots)
+    out = paged_attention(q, k_pages, v_pages, block_tables, kv_lens, query_lens=query_lens,
+                          scale=h**-0.5, impl=self.impl)
+    out = (out * jax.nn.sigmoid(gate)).reshape(b, t, n * h)
+    return jnp.einsum('bte,ed->btd', out, self.o_proj[...]), k_pages, v_pages
+
+
+class GatedDeltaNet(nnx.Module):
+  """Linear attention with a delta-rule state, fed by a causal depthwise conv."""
+
+  def __init__(self, cfg: Qwen35Config):
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    self.dims = (nk, nv, dk, dv)
+    self.conv_dim = 2 * nk * dk + nv * dv
+    # One matrix for q | k | v (the conv channels), z, b, a.
+    self.in_proj = _param(cfg.hidden_size, self.conv_dim + nv * dv + 2 * nv)
+    self.conv_weight = _param(self.conv_dim, cfg.linear_conv_kernel_dim)
+    self.dt_bias = _param(nv)
+    self.A_log = _param(nv)
+    self.norm = RMSNorm(dv, eps=cfg.rms_norm_eps, offset=0.0)
+    self.out_proj = _param(nv * dv, cfg.hidden_size)
+    self.chunk_size = cfg.chunk_size
+
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, D]
+      ssm: jax.Array,  # [B, S, G, Dk, Dv] state slots
+      conv: jax.Array,  # [B, S, W - 1, C] conv-state slots
+      state_slot: jax.Array,  # [B] current slot
+      query_lens: jax.Array,  # [B]
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    b, t, _ = x.shape
+    nk, nv, dk, dv = self.dims
+    proj = jnp.einsum('btd,de->bte', x, self.in_proj[...])
+    mixed, z, beta, a = jnp.split(proj, np.cumsum([self.conv_dim, nv * dv, nv]), axis=-1)
+    pick = lambda slots: jnp.take_along_axis(
+        slots, state_slot.reshape((b,) + (1,) * (slots.ndim - 1)), axis=1)[:, 0]
+    mixed, windows = gdn.causal_conv1d(mixed, pick(conv), self.conv_weight[...], query_lens)
+    q, k, v = jnp.split(mixed, [nk * dk, 2 * nk * dk], axis=-1)
+    q, k, v = q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv)
+    valid = (jnp.arange(t)[None, :] < query_lens[:, None])[..., None]  # [B, T, 1]
+    beta = jnp.where(valid, jax.nn.sigmoid(beta), 0.0)  # padding: beta = g = 0 keeps the state
+    g = jnp.where(valid, -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...]), 0.0)
+    if t <= ssm.shape[1]:  # decode / verify: keep the state after every position
+      out, states = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, pick(ssm))
+      ssm = ssm.at[:, :t].set(states)
+      conv = conv.at[:, :t].set(windows.astype(conv.dtype))
+    else:  # prefill chunk: only the last state
+      state = pick(ssm)
+      out, final = gdn.chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size=self.chunk_size)
+      last = jnp.maximum(query_lens - 1, 0)[:, None, None, None]
+      ssm = ssm.at[:, 0].set(jnp.where((query_lens > 0)[:, None, None, None], final, state))
+      conv = conv.at[:, 0].set(jnp.take_along_axis(windows, last, axis=1)[:, 0].astype(conv.dtype))
+    out = self.norm(out.astype(x.dtype)) * jax.nn.silu(z.reshape(b, t, nv, dv))
+    return jnp.einsum('bte,ed->btd', out.reshape(b, t, nv * dv), self.out_proj[...]), ssm, conv
+
+
+class SparseMoE(nnx.Module):
+  """Top-k routed experts plus a gated shared expert."""
+
+  def __init__(self, cfg: Qwen35Config):
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    self.router = _param(d, e)
+    self.gate_up = _param(e, d, 2 * f)
+    self.down = _param(e, f, d)
+    self.has_shared = cfg.shared_expert_intermediate_size > 0
+    if self.has_shared:
+      self.shared_expert = GatedMLP(d, cfg.shared_expert_intermediate_size, activation='silu')
+      self.shared_gate = _param(d, 1)
+    self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+  def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D]
+    b, t, _ = x.shape
+    e = self.router.shape[1]
+    probs = jax.nn.softmax(jnp.einsum('btd,de->bte', x, self.router[...]).astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, self.top_k)  # [B, T, X]
+    if self.renormalize:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights.astype(x.dtype)
+    if b * t * self.top_k < e:  # few tokens (decode, verify): read only the chosen experts
+      gate, up = jnp.split(jnp.einsum('btd,btxdf->btxf', x, self.gate_up[...][experts]), 2, axis=-1)
+      y = jnp.einsum('btxf,btxfd->btxd', jax.nn.silu(gate) * up, self.down[...][experts])
+      out = jnp.einsum('btxd,btx->btd', y, weights)
+    else:  # many tokens (prefill): every expert on every token, weighted
+      combine = jnp.einsum('btxe,btx->bte', jax.nn.one_hot(experts, e, dtype=x.dtype), weights)
+      gate, up = jnp.split(jnp.einsum('btd,edf->btef', x, self.gate_up[...]), 2, axis=-1)
+      y = jnp.einsum('btef,efd->bted', jax.nn.silu(gate) * up, self.down[...])
+      out = jnp.einsum('bted,bte->btd', y, combine)
+    if self.has_shared:
+      out = out + jax.nn.sigmoid(jnp.einsum('btd,do->bto', x, self.shared_gate[...])) * self.shared_expert(x)
+    return out
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: Qwen35Config, layer_type: str, moe: bool, attention_impl: str):
+    self.layer_type = layer_type
+    self.input_layernorm = _norm(cfg, cfg.hidden_size)
+    if layer_type == FULL:
+      self.self_attn = GatedAttention(cfg, attention_impl)
+    else:
+      self.linear_attn = GatedDeltaNet(cfg)
+    self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+    self.mlp = SparseMoE(cfg) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size, activation='silu')
+
+  def __call__(self, x: jax.Array, mixer) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """`mixer(module, normed_x) -> (out, *cache_parts)` runs this layer's token mixer."""
+    out, *parts = mixer(self.self_attn if self.layer_type == FULL else self.linear_attn, self.input_layernorm(x))
+    x = x + out
+    return x + self.mlp(self.post_attention_layernorm(x)), tuple(parts)
+
+
+class MTPHead(nnx.Module):
+  """The checkpoint's multi-token-prediction head (`mtp.*`).
+
+  `fc(concat(norm(embed(x_{t+1})), norm(h_t)))` -> one full-attention block with
+  its own paged KV cache -> final norm; the target's head gives the logits.
+  """
+
+  def __init__(self, cfg: Qwen35Config, attention_impl: str):
+    d = cfg.hidden_size
+    self.pre_fc_norm_embedding = _norm(cfg, d)
+    self.pre_fc_norm_hidden = _norm(cfg, d)
+    self.fc = _param(2 * d, d)
+    self.layer = Block(cfg, FULL, cfg.num_experts > 0, attention_impl)
+    self.norm = _norm(cfg, d)
+
+  def __call__(
+      self,
+      embeds: jax.Array,  # [B, T, D] embeddings of the next tokens
+      hidden: jax.Array,  # [B, T, D] target (or previous MTP) final hidden states
+      cache: KVCache,  # one attention layer
+      query_lens: jax.Array,  # [B]
+  ) -> tuple[jax.Array, KVCache]:
+    x = jnp.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
+    x = jnp.einsum('bte,ed->btd', x, self.fc[...])
+    positions, slots, kv_lens = step_layout(cache, query_lens, x.shape[1])
+    attend = lambda attn, y: attn(y, positions, cache.k_pages[0], cache.v_pages[0], slots, cache.block_tables,
+                                  kv_lens, query_lens)
+    x, (k_pages, v_pages) = self.layer(x, attend)
+    cache = dataclasses.replace(cache, k_pages=(k_pages,), v_pages=(v_pages,), lengths=kv_lens)
+    return self.norm(x), cache
+
+
+class Qwen35(nnx.Module):
+  """Qwen3.5 / Qwen3-Next causal LM. Build with `nnx.eval_shape` and fill from a checkpoint."""
+
+  def __init__(self, cfg: Qwen35Config, *, attention_impl: str = 'auto'):
+    self.cfg = cfg
+    self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+    self.layers = nnx.List([Block(cfg, t, m, attention_impl)
+                            for t, m in zip(cfg.layer_types, cfg.moe_layers or (False,) * cfg.num_layers)])
+    self.norm = _norm(cfg, cfg.hidden_size)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(cfg.hidden_size, cfg.vocab_size)
+    if cfg.mtp:
+      self.mtp = MTPHead(cfg, attention_impl)
+
+  def kv_layer_shapes(self) -> list[tuple[int, int]]:
+    """(kv heads, head dim) of each attention layer, in order."""
+    return [(self.cfg.num_kv_heads, self.cfg.head_dim)] * self.cfg.layer_types.count(FULL)
+
+  def state_layer_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per-row (ssm, conv) state shapes of each Gated DeltaNet layer."""
+    c = self.cfg
+    ssm = (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+    conv = (c.linear_conv_kernel_dim - 1, 2 * c.linear_num_key_heads * c.linear_key_head_dim
+            + c.linear_num_value_heads * c.linear_value_head_dim)
+    return [(ssm, conv)] * c.layer_types.count(LINEAR)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
+    return jnp.take(self.embed_tokens[...], tokens, axis=0)
+
+  def __call__(self, tokens, cache, query_lens):
+    hidden, cache, _ = self.forward(tokens, cache, query_lens)
+    return hidden, cache
+
+  def forward(
+      self,
+      tokens: jax.Array,  # [B, T]
+      cache: KVCache,
+      query_lens: jax.Array,  # [B]
+      *,
+      num_layers: int | None = None,
+      taps: tuple[int, ...] = (),
+  ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
+    """Appends `tokens`; returns the final-normed hidden `[B, T, D]`, the cache and tapped residuals."""
+    t = tokens.shape[1]
+    num_layers = self.cfg.num_layers if num_layers is None else num_layers
+    positions, slots, kv_lens = step_layout(cache, query_lens, t)
+    k_all, v_all = list(cache.k_pages), list(cache.v_pages)
+    ssm_all, conv_all = list(cache.ssm), list(cache.conv)
+    x, tapped, attn_i, linear_i = self.embed(tokens), {}, 0, 0
+    for i in range(num_layers):
+      if self.cfg.layer_types[i] == FULL:
+        j = attn_i
+        x, (k_all[j], v_all[j]) = self.layers[i](x, lambda attn, y: attn(
+            y, positions, k_all[j], v_all[j], slots, cache.block_tables, kv_lens, query_lens))
+        attn_i += 1
+      else:
+        j = linear_i
+        x, (ssm_all[j], conv_all[j]) = self.layers[i](x, lambda net, y: net(
+            y, ssm_all[j], conv_all[j], cache.state_slot, query_lens))
+        linear_i += 1
+      if i in taps:
+        tapped[i] = x
+    recurrent = t <= cache.num_slots
+    state_slot = jnp.maximum(query_lens - 1, 0) if recurrent else jnp.zeros_like(query_lens)
+    new_cache = dataclasses.replace(
+        cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens, ssm=tuple(ssm_all),
+        conv=tuple(conv_all), state_slot=state_slot.astype(jnp.int32))
+    return self.norm(x), new_cache, tuple(tapped[i] for i in taps)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
+    if self.cfg.tie_word_embeddings:
+      return jnp.einsum('...d,vd->...v', hidden, self.embed_tokens[...])
+    return jnp.einsum('...d,dv->...v', hidden, self.lm_head[...])
+
+
+# ---------------------------------------------------------------- checkpoint mapping
+
+
+def _gdn_params(cfg: Qwen35Config, take, p: str) -> dict:
+  d = cfg.hidden_size
+  nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  conv_dim = 2 * nk * dk + nv * dv
+  if cfg.fused_gdn_proj:  # rows grouped per key head: [q, k, v (r heads), z (r heads)] and [b (r), a (r)]
+    r = nv // nk
+    qkvz = take(p + 'in_proj_qkvz.weight', (2 * nk * dk + 2 * nv * dv, d)).reshape(nk, 2 * dk + 2 * r * dv, d)
+    q, k, v, z = np.split(qkvz, np.cumsum([dk, dk, r * dv]), axis=1)
+    ba = take(p + 'in_proj_ba.weight', (2 * nv, d)).reshape(nk, 2 * r, d)
+    rows = [q, k, v, z, ba[:, :r], ba[:, r:]]
+    rows = [x.reshape(-1, d) for x in rows]
+  else:
+    rows = [take(p + 'in_proj_qkv.weight', (conv_dim, d)), take(p + 'in_proj_z.weight', (nv * dv, d)),
+            take(p + 'in_proj_b.weight', (nv, d)), take(p + 'in_proj_a.weight', (nv, d))]
+  return {
+      'in_proj': np.concatenate(rows).T,
+      'conv_weight': take(p + 'conv1d.weight', (conv_dim, 1, cfg.linear_conv_kernel_dim))[:, 0],
+      'dt_bias': take(p + 'dt_bias', (nv,)),
+      'A_log': take(p + 'A_log', (nv,)),
+      'norm': {'scale': take(p + 'norm.weight', (dv,))},
+      'out_proj': take(p + 'out_proj.weight', (d, nv * dv)).T,
+  }
+
+
+def _attention_params(cfg: Qwen35Config, take, p: str) -> dict:
+  d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  query_gate = take(p + 'q_proj.weight', (2 * n * h, d)).reshape(n, 2, h, d)  # per head: query rows, gate rows
+  return {
+      'qkvg_proj': np.concatenate([
+          query_gate[:, 0].reshape(n * h, d), take(p + 'k_proj.weight', (k * h, d)),
+          take(p + 'v_proj.weight', (k * h, d)), query_gate[:, 1].reshape(n * h, d)]).T,
+      'o_proj': take(p + 'o_proj.weight', (d, n * h)).T,
+      'q_norm': {'scale': take(p + 'q_norm.weight', (h,))},
+      'k_norm': {'scale': take(p + 'k_norm.weight', (h,))},
+  }
+
+
+def _mlp_params(take, p: str, d: int, f: int) -> dict:
+  return {
+      'gate_up': np.concatenate([take(p + 'gate_proj.weight', (f, d)), take(p + 'up_proj.weight', (f, d))]).T,
+      'down': take(p + 'down_proj.weight', (d, f)).T,
+  }
+
+
+def _moe_params(cfg: Qwen35Config, take, tensors, p: str) -> dict:
+  d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  if p + 'experts.gate_up_proj' in tensors:  # fused layout: [E, 2F, D] (gate rows first), [E, D, F]
+    gate_up = take(p + 'experts.gate_up_proj', (e, 2 * f, d)).transpose(0, 2, 1)
+    down = take(p + 'experts.down_proj', (e, d, f)).transpose(0, 2, 1)
+  else:  # hub layout: one Linear per expert
+    experts = [_mlp_params(take, f'{p}experts.{i}.', d, f) for i in range(e)]
+    gate_up = np.stack([x['gate_up'] for x in experts])
+    down = np.stack([x['down'] for x in experts])
+    extra = sorted(n for n in tensors if n.startswith(p + 'experts.'))
+    if extra:
+      raise SpecjaxError(f'checkpoint has weights of experts beyond num_experts={e}, e.g. {extra[0]!r}')
+  params = {'router': take(p + 'gate.weight', (e, d)).T, 'gate_up': gate_up, 'down': down}
+  if cfg.shared_expert_intermediate_size:
+    params['shared_expert'] = _mlp_params(take, p + 'shared_expert.', d, cfg.shared_expert_intermediate_size)
+    params['shared_gate'] = take(p + 'shared_expert_gate.weight', (1, d)).T
+  return params
+
+
+def _block_params(cfg: Qwen35Config, take, tensors, p: str, layer_type: str, moe: bool) -> dict:
+  d = cfg.hidden_size
+  params = {
+      'input_layernorm': {'scale': take(p + 'input_layernorm.weight', (d,))},
+      'post_attention_layernorm': {'scale': take(p + 'post_attention_layernorm.weight', (d,))},
+      'mlp': (_moe_params(cfg, take, tensors, p + 'mlp.') if moe
+              else _mlp_params(take, p + 'mlp.', d, cfg.intermediate_size)),
+  }
+  if layer_type == FULL:
+    params['self_attn'] = _attention_params(cfg, take, p + 'self_attn.')
+  else:
+    params['linear_attn'] = _gdn_params(cfg, take, p + 'linear_attn.')
+  return params
+
+
+def params_from_hf(cfg: Qwen35Config, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+  """Maps HF-named tensors (text-only or multimodal-wrapper names) to the pure-dict state of `Qwen35`."""
+  for name in list(tensors):
+    if name.startswith('model.language_model.'):
+      tensors['model.' + name[len('model.language_model.'):]] = tensors.pop(name)
+    elif name.startswith(('model.visual.', 'visual.')):
+      del tensors[name]  # the vision tower of the multimodal checkpoints is not used
+  take = tensor_taker(tensors)
+  d = cfg.hidden_size
+  moe_layers = cfg.moe_layers or (False,) * cfg.num_layers
+  params = {
+      'embed_tokens': take('model.embed_tokens.weight', (cfg.vocab_size, d)),
+      'layers': {i: _block_params(cfg, take, tensors, f'model.layers.{i}.', t, m)
+                 for i, (t, m) in enumerate(zip(cfg.layer_types, moe_layers))},
+      'norm': {'scale': take('model.norm.weight', (d,))},
+  }
+  if cfg.tie_word_embeddings:
+    tensors.pop('lm_head.weight', None)
+  else:
+    params['lm_head'] = take('lm_head.weight', (cfg.vocab_size, d)).T
+  if cfg.mtp:
+    params['mtp'] = {
+        'pre_fc_norm_embedding': {'scale': take('mtp.pre_fc_norm_embedding.weight', (d,))},
+        'pre_fc_norm_hidden': {'scale': take('mtp.pre_fc_norm_hidden.weight', (d,))},
+        'fc': take('mtp.fc.weight', (d, 2 * d)).T,
+        'layer': _block_params(cfg, take, tensors, 'mtp.layers.0.', FULL, cfg.num_experts > 0),
+        'norm': {'scale': take('mtp.norm.weight', (d,))},
+    }
+  return params
