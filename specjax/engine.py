@@ -24,7 +24,7 @@ from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters.base import BatchPlan, Drafter
 from specjax.metrics import SpecMetrics
-from specjax.policies import Fixed, Policy
+from specjax.policies import Fixed, Policy, verified_width
 from specjax.step import propose_phase, spec_step, verify_phase, write_tokens
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.models.base import Model
@@ -68,6 +68,7 @@ class GenerationStats:
   generated_tokens: int = 0
   rows: int = 0
   steps: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)  # (K, seconds, live rows)
+  policy_state: Any = None  # the depth policy's state after the last step
 
   @property
   def tokens_per_s(self) -> float:
@@ -316,13 +317,16 @@ class Engine:
       stream: Callable[[int, str], None] | None = None,
       request_ids: Sequence[int] | None = None,
       num_draft: int | Policy | None = None,
+      policy_state: Any = None,
   ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates for a batch of prompts (texts or token ids).
 
     `num_draft` is the draft depth K of each speculative step (default: the
     engine's `max_draft` when it has a drafter; 0 forces plain decoding), or a
     `specjax.policies.Policy` that picks K before every step from its
-    candidates (each compiled once, ahead of the decode clock).
+    candidates (each compiled once, ahead of the decode clock). `policy_state`
+    continues a policy's state from an earlier call (`stats.policy_state`), so
+    an adaptive policy keeps what it learned across requests.
     `stream(row, text_delta)` is called as text becomes final for each row.
     Random draws are keyed by (seed, request id, position): request ids default
     to the row numbers, so a row's tokens do not depend on the other rows or on
@@ -363,7 +367,7 @@ class Engine:
     t0 = time.perf_counter()
     state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids)
     steps = {d: self._step_fn(d, sampling, state, eos_ids) for d in depths}  # compiled before the decode clock
-    pstate = policy.init() if policy else None
+    pstate = (policy.init() if policy_state is None else policy_state) if policy else None
     tokens, active = jax.device_get((state.last_tokens, state.active))
     stats.prefill_s = time.perf_counter() - t0
     for i in range(n):
@@ -390,9 +394,11 @@ class Engine:
           spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]))
           spec[i].draft_s += self.phase_s[0] if self.profile else 0.0
           spec[i].verify_s += self.phase_s[1] if self.profile else 0.0
-        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live)
+        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live, drafted[rows],
+                                verified_width(k_step, drafted[rows]))
       active = now_active
     stats.decode_s = time.perf_counter() - t0
+    stats.policy_state = pstate
     stats.compile_s = self.compile_s - compile_before
     stats.prefill_s -= stats.compile_s  # every executable is compiled ahead, before the decode clock
     stats.generated_tokens = sum(len(g) for g in generated)

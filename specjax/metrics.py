@@ -23,6 +23,7 @@ class SpecMetrics:
   accepted_at: np.ndarray = None  # [K] steps whose draft i was accepted
   drafted_at: np.ndarray = None  # [K] steps that had a valid draft i
   accepted_per_step: list[int] = dataclasses.field(default_factory=list)
+  drafted_per_step: list[int] = dataclasses.field(default_factory=list)
   draft_s: float = 0.0
   verify_s: float = 0.0
   total_s: float = 0.0
@@ -40,6 +41,7 @@ class SpecMetrics:
     self.accepted_at[:accepted] += 1
     self.drafted_at[:drafted] += 1
     self.accepted_per_step.append(accepted)
+    self.drafted_per_step.append(drafted)
 
   def merge(self, other: SpecMetrics) -> SpecMetrics:
     out = SpecMetrics(k=max(self.k, other.k))
@@ -51,6 +53,7 @@ class SpecMetrics:
       out.accepted_at[:m.k] += m.accepted_at
       out.drafted_at[:m.k] += m.drafted_at
       out.accepted_per_step += m.accepted_per_step
+      out.drafted_per_step += m.drafted_per_step
       out.draft_s += m.draft_s
       out.verify_s += m.verify_s
       out.total_s += m.total_s

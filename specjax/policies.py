@@ -5,9 +5,11 @@ Python/numpy), so the trace-replay simulator can drive it without a model:
 
   state = policy.init()
   k = policy.choose(state, live)                    # live: sequences still decoding
-  state = policy.observe(state, k, accepted, step_s, live)
+  state = policy.observe(state, k, accepted, step_s, live, drafted, width)
 
-`accepted` holds the drafts each live sequence accepted in the step. Every K a
+`accepted` holds the drafts each live sequence accepted in the step, `drafted`
+how many it drafted (fewer than K when an n-gram match runs short; None: K)
+and `width` the positions the verify pass ran (None: K + 1). Every K a
 policy may return is in `policy.candidates`, so each is compiled once.
 `observe` returns a new state; it never changes its input.
 
@@ -31,9 +33,12 @@ Trace replay (`simulate`) compares policies offline. A `Trace` holds, per
 sequence, one outcome per generated position (the tokens of decode steps):
 ACCEPT, a draft there would be accepted given the earlier ones were; REJECT,
 it would not (the target emits its correction there); UNKNOWN, never drafted
-(the bonus token of a step that accepted every draft). A recorded step at
-depth K_rec that accepted a drafts contributes a ACCEPTs then REJECT (a <
-K_rec) or UNKNOWN (a = K_rec); the next step starts after them. Replaying at
+(the bonus token of a step that accepted every draft); NONE, the drafter had
+no draft there (an n-gram match ran out). A recorded step at depth K_rec that
+drafted d and accepted a drafts contributes a ACCEPTs then REJECT (a < d),
+NONE (a = d < K_rec) or UNKNOWN (a = d = K_rec); the next step starts after
+them. While a replay follows the recording it also replays the recorded draft
+counts; off it, a row drafts up to the first NONE of its window, else K. Replaying at
 depth K from position p accepts the leading ACCEPTs of the K positions from p,
 emits min(accepted + 1, tokens left) tokens and moves p past them, so
 replaying the recorded depths reproduces the recorded accepted counts and
@@ -64,7 +69,14 @@ FAMILY_CANDIDATES = {
     'layer-skip': (2, 4, 6, 8),
 }
 LIVE_BUCKETS = 16
-ACCEPT, REJECT, UNKNOWN = 1, 0, -1
+ACCEPT, REJECT, UNKNOWN, NONE = 1, 0, -1, -2
+
+
+def verified_width(k: int, drafted: np.ndarray) -> int:
+  """Positions a verify pass at depth K runs for these rows' draft counts (`step.verify_phase`)."""
+  from specjax.step import verify_widths  # pylint: disable=g-import-not-at-top
+  widths = verify_widths(k)
+  return widths[int(np.searchsorted(widths, int(np.max(drafted)) + 1))]
 
 
 class Policy:
@@ -77,7 +89,8 @@ class Policy:
   def choose(self, state: Any, live: int) -> int:
     raise NotImplementedError
 
-  def observe(self, state: Any, k: int, accepted: np.ndarray, step_s: float, live: int) -> Any:
+  def observe(self, state: Any, k: int, accepted: np.ndarray, step_s: float, live: int,
+              drafted: np.ndarray | None = None, width: int | None = None) -> Any:
     return state
 
 
@@ -142,33 +155,54 @@ def _linear(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
 class TunerState:
   step: int  # steps observed
   current: int  # candidate index last chosen on merit (-1: none yet)
-  accept: np.ndarray  # [D] EMA of conditional acceptance at draft position j + 1
+  accept: np.ndarray  # [D] EMA of P(draft j accepted | drafts before it accepted); no draft: not accepted
   accept_n: np.ndarray  # [D] rows that reached each position
-  step_s: np.ndarray  # [L, C] EMA of step seconds per live bucket and candidate
-  step_n: np.ndarray  # [L, C] steps measured
+  length: np.ndarray  # [D] EMA of P(row drafts >= j | it drafts >= j - 1): short drafts (n-gram misses)
+  length_n: np.ndarray  # [D] rows at risk at each position
+  short: bool  # some step drafted fewer than K (variable-length drafter: verify width follows the drafts)
+  step_s: np.ndarray  # [L, W] EMA of step seconds per live bucket and verified width 1..D + 1
+  step_n: np.ndarray  # [L, W] steps measured
   last_tried: np.ndarray  # [L, C] step at which each candidate last ran (-1: never)
+
+
+def _ema(value: np.ndarray, count: np.ndarray, hits: np.ndarray, trials: np.ndarray, alpha: float) -> None:
+  """In place: each trial moves the estimate by one EMA step of weight alpha (the first sets it)."""
+  for j in np.flatnonzero(trials):
+    w = 1.0 - (1.0 - alpha) ** trials[j] if count[j] else 1.0
+    value[j] += w * (hits[j] / trials[j] - value[j])
+  count += trials
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuner(Policy):
   """Picks the candidate K with the most expected tokens per second.
 
-  Acceptance: an EMA of the conditional acceptance a_j = P(draft j accepted |
-  drafts before it accepted) per draft position. A step at depth k informs
-  positions 1..k (position j is reached by the rows that accepted j - 1
-  drafts); each reaching row is one EMA observation (`alpha`). Positions never
-  reached copy the deepest one that was. Expected tokens per row and step:
-  E(K) = 1 + sum_{i <= K} prod_{j <= i} a_j.
+  Tokens: an EMA (`alpha`) of the conditional acceptance a_j = P(draft j
+  accepted | drafts before it accepted) per draft position, a missing draft
+  counting as not accepted. A step at depth k informs positions 1..k (position
+  j is reached by the rows that accepted j - 1 drafts); each reaching row is
+  one EMA observation. Positions never reached copy the deepest one that was.
+  Expected tokens per row and step: E(K) = 1 + sum_{i <= K} prod_{j <= i} a_j.
 
-  Step time: an EMA (`time_alpha`) per candidate and live bucket (powers of
-  two). A K not measured in the current bucket is linear in K through the
-  measured ones; with fewer than two there, the curve of the nearest bucket
-  that has two, scaled to this bucket's measurement.
+  Drafts per row: a step at depth K drafts min(K, L) tokens, L the drafts
+  available (unbounded for model drafters; an n-gram match may be short or
+  missing). Their law is a second EMA per position, the survival
+  l_j = P(L >= j | L >= j - 1), observed at positions j <= K.
+
+  Step time depends on the verified width, not on K: an EMA (`time_alpha`) per
+  width and live bucket (powers of two), linear in the width through the
+  measured ones (with fewer than two in a bucket, the nearest bucket's line,
+  scaled). A model drafter verifies K + 1; a variable-length drafter verifies
+  the longest row's drafts + 1, rounded up to the engine's verify widths, so
+  T(K) is the expectation over the distribution of that maximum among the
+  live rows. A run of n-gram misses thus makes every K cheap alike, instead of
+  flattering the K that happened to run.
 
   Choice: argmax E(K) / T(K, live), staying on the current K unless another is
   better by more than `margin`. Warm-up runs every candidate once, deepest
   first; then every `explore_every`-th step runs the candidate least recently
-  tried at the current live bucket. No randomness: replays repeat exactly.
+  tried at the current live bucket. No randomness: replays repeat exactly. The
+  state can be carried across requests (`Engine.generate(policy_state=...)`).
   """
   candidates: tuple[int, ...] = (2, 4, 6, 8)
   alpha: float = 0.1
@@ -197,45 +231,73 @@ class Tuner(Policy):
         current=-1,
         accept=np.full(d, self.prior),
         accept_n=np.zeros(d, np.int64),
-        step_s=np.zeros((LIVE_BUCKETS, c)),
-        step_n=np.zeros((LIVE_BUCKETS, c), np.int64),
+        length=np.ones(d),
+        length_n=np.zeros(d, np.int64),
+        short=False,
+        step_s=np.zeros((LIVE_BUCKETS, d + 1)),
+        step_n=np.zeros((LIVE_BUCKETS, d + 1), np.int64),
         last_tried=np.full((LIVE_BUCKETS, c), -1, np.int64),
     )
 
+  @staticmethod
+  def _filled(values: np.ndarray, counts: np.ndarray, first: float) -> np.ndarray:
+    out = values.copy()
+    for j in range(len(out)):
+      if not counts[j]:
+        out[j] = out[j - 1] if j else first
+    return out
+
   def acceptance(self, state: TunerState) -> np.ndarray:  # [D]
     """Conditional acceptance per draft position; unreached positions copy the one before."""
-    a = state.accept.copy()
-    for j in range(len(a)):
-      if not state.accept_n[j]:
-        a[j] = a[j - 1] if j else self.prior
-    return a
+    return self._filled(state.accept, state.accept_n, self.prior)
+
+  def survival(self, state: TunerState) -> np.ndarray:  # [D]
+    """P(a row has at least j drafts), j = 1..D."""
+    return np.cumprod(self._filled(state.length, state.length_n, 1.0))
 
   def expected_tokens(self, state: TunerState) -> np.ndarray:  # [C]
     """E(K) per candidate: tokens one row emits in a step of depth K."""
     gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance(state)))])
     return gain[np.asarray(self.candidates)]
 
-  def step_times(self, state: TunerState, live: int) -> np.ndarray:  # [C]
-    """Estimated seconds of a step per candidate at this live batch size."""
-    ks = np.asarray(self.candidates, np.float64)
-    seen = state.step_n > 0  # [L, C]
+  def width_times(self, state: TunerState, live: int) -> np.ndarray:  # [D + 1]
+    """Estimated seconds of a step that verifies w = 1..D + 1 positions, at this live batch size."""
+    widths = np.arange(1, state.step_s.shape[1] + 1, dtype=np.float64)
+    seen = state.step_n > 0  # [L, W]
     if not seen.any():
-      return 1.0 + ks  # nothing measured yet: cost grows with the verified block
+      return widths  # nothing measured yet: cost grows with the verified block
     b = live_bucket(live)
     near = sorted(range(LIVE_BUCKETS), key=lambda x: (abs(x - b), x))
     ref = next((x for x in near if seen[x].sum() >= 2), None)
     if ref is None:
       ref = next(x for x in near if seen[x].any())
-    times = _linear(ks, ks[seen[ref]], state.step_s[ref, seen[ref]])
+    times = _linear(widths, widths[seen[ref]], state.step_s[ref, seen[ref]])
     times = np.maximum(times, 0.1 * state.step_s[ref, seen[ref]].min())
     own = seen[b]
     if ref != b and own.any():
       times *= np.mean(state.step_s[b, own] / times[own])
     return times
 
+  def step_times(self, state: TunerState, live: int) -> np.ndarray:  # [C]
+    """Expected seconds of a step per candidate at this live batch size."""
+    times = self.width_times(state, live)
+    if not state.short:
+      return times[np.asarray(self.candidates)]
+    from specjax.step import verify_widths  # pylint: disable=g-import-not-at-top
+    survival = np.concatenate([[1.0], self.survival(state)])  # P(L >= m), m = 0..D
+    out = []
+    for k in self.candidates:
+      below = 1.0 - survival[1:k + 1]  # P(min(K, L) <= m), m = 0..K-1
+      cdf = np.concatenate([below, [1.0]]) ** max(live, 1)  # of the longest of the live rows
+      p_max = np.diff(np.concatenate([[0.0], cdf]))  # P(longest = m), m = 0..K
+      buckets = np.asarray(verify_widths(k))
+      width = buckets[np.searchsorted(buckets, np.arange(k + 1) + 1)]
+      out.append(float(p_max @ times[width - 1]))
+    return np.asarray(out)
+
   def _forced(self, state: TunerState, live: int) -> int | None:
     """The candidate index a warm-up or exploration step runs, else None."""
-    untried = np.flatnonzero(state.step_n.sum(0) == 0)
+    untried = np.flatnonzero((state.last_tried < 0).all(0))
     if untried.size:
       return int(untried[-1])
     if self.explore_every and (state.step + 1) % self.explore_every == 0:
@@ -252,27 +314,31 @@ class Tuner(Policy):
       best = current
     return self.candidates[best]
 
-  def observe(self, state: TunerState, k: int, accepted: np.ndarray, step_s: float, live: int) -> TunerState:
+  def observe(self, state: TunerState, k: int, accepted: np.ndarray, step_s: float, live: int,
+              drafted: np.ndarray | None = None, width: int | None = None) -> TunerState:
+    """One step's outcome: accepted [rows], and (variable-length drafters) drafted [rows], verified width."""
     if k not in self.candidates:
       raise SpecjaxError(f'K={k} is not a candidate of this tuner {self.candidates}')
     i, b = self.candidates.index(k), live_bucket(live)
     accepted = np.asarray(accepted).reshape(-1)  # [rows]
+    drafted = np.full_like(accepted, k) if drafted is None else np.asarray(drafted).reshape(-1)
     depth = np.arange(1, k + 1)[:, None]  # [k, 1]
-    reached = (accepted[None, :] >= depth - 1).sum(1)  # [k]
-    hits = (accepted[None, :] >= depth).sum(1)
     accept, accept_n = state.accept.copy(), state.accept_n.copy()
-    for j in np.flatnonzero(reached):
-      w = 1.0 - (1.0 - self.alpha) ** reached[j] if accept_n[j] else 1.0
-      accept[j] += w * (hits[j] / reached[j] - accept[j])
-    accept_n[:k] += reached
+    length, length_n = state.length.copy(), state.length_n.copy()
+    reached = (accepted[None, :] >= depth - 1).sum(1)  # [k]
+    _ema(accept, accept_n[:k], (accepted[None, :] >= depth).sum(1), reached, self.alpha)
+    at_risk = (drafted[None, :] >= depth - 1).sum(1)
+    _ema(length, length_n[:k], (drafted[None, :] >= depth).sum(1), at_risk, self.alpha)
+    width = k + 1 if width is None else int(width)
     step_s_ema, step_n = state.step_s.copy(), state.step_n.copy()
-    w = self.time_alpha if step_n[b, i] else 1.0
-    step_s_ema[b, i] += w * (step_s - step_s_ema[b, i])
-    step_n[b, i] += 1
+    w = self.time_alpha if step_n[b, width - 1] else 1.0
+    step_s_ema[b, width - 1] += w * (step_s - step_s_ema[b, width - 1])
+    step_n[b, width - 1] += 1
     last_tried = state.last_tried.copy()
     last_tried[b, i] = state.step
     current = state.current if self._forced(state, live) is not None else i
-    return TunerState(state.step + 1, current, accept, accept_n, step_s_ema, step_n, last_tried)
+    return TunerState(state.step + 1, current, accept, accept_n, length, length_n,
+                      state.short or bool((drafted < k).any()), step_s_ema, step_n, last_tried)
 
 
 # ---------------------------------------------------------------- construction
@@ -378,9 +444,10 @@ def make_policy(name: str, *, family: str, candidates: Sequence[int] | None = No
 @dataclasses.dataclass
 class Trace:
   """Per-position acceptance outcomes of a set of sequences (see the module docstring)."""
-  outcomes: list[np.ndarray]  # per sequence [P] int8: ACCEPT / REJECT / UNKNOWN; past the end: UNKNOWN
+  outcomes: list[np.ndarray]  # per sequence [P] int8: ACCEPT / REJECT / UNKNOWN / NONE; past the end: UNKNOWN
   lengths: list[int]  # tokens each sequence emits in decode steps
   steps: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)  # recorded (K, seconds, live)
+  drafted: list[list[int]] = dataclasses.field(default_factory=list)  # recorded drafts per sequence and step
 
   def __post_init__(self):
     if len(self.outcomes) != len(self.lengths):
@@ -406,18 +473,18 @@ def trace_from_stats(results: Sequence[Any], stats: Any) -> Trace:
   for i, r in enumerate(results):
     if r.spec is None:
       raise SpecjaxError(f'result {i} has no speculative metrics; record with a drafter')
-    accepted = r.spec.accepted_per_step
+    accepted, drafted = r.spec.accepted_per_step, r.spec.drafted_per_step
     if len(accepted) > len(ks):
       raise SpecjaxError(f'result {i} has {len(accepted)} steps, the stats {len(ks)}: not from one generate call')
     row = []
-    for a, k in zip(accepted, ks):
-      row += [ACCEPT] * a + [REJECT if a < k else UNKNOWN]
+    for a, d, k in zip(accepted, drafted, ks):
+      row += [ACCEPT] * a + [REJECT if a < d else NONE if d < k else UNKNOWN]
     length = max(len(r.tokens) - 1, 0)  # the first token comes from prefill
     if accepted and not len(row) - accepted[-1] - 1 < length <= len(row):
       raise SpecjaxError(f'result {i}: {length} decode tokens do not match its accepted counts')
     outcomes.append(np.asarray(row, np.int8))
     lengths.append(length)
-  return Trace(outcomes, lengths, list(stats.steps))
+  return Trace(outcomes, lengths, list(stats.steps), [list(r.spec.drafted_per_step) for r in results])
 
 
 class StepCosts:
@@ -477,16 +544,19 @@ class SimResult:
     return self.tokens / row_steps if row_steps else 0.0
 
 
-def _accepted(outcomes: np.ndarray, pos: int, k: int, unknown_accepts: bool) -> int:
+def _replay_step(outcomes: np.ndarray, pos: int, k: int, unknown_accepts: bool) -> tuple[int, int]:
+  """(accepted, drafted) of a step at depth k from position pos."""
   window = np.full(k, UNKNOWN, np.int8)
   seen = outcomes[pos:pos + k]
   window[:len(seen)] = seen
   ok = (window == ACCEPT) | (unknown_accepts & (window == UNKNOWN))
-  return int(np.cumprod(ok).sum())
+  accepted = int(np.cumprod(ok).sum())
+  return accepted, accepted if accepted < k and window[accepted] == NONE else k
 
 
 def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
-             cost: Callable[[int, int], float] | None = None, censored: str = 'reject') -> SimResult:
+             cost: Callable[[int, int], float] | None = None, censored: str = 'reject',
+             width_cost: Callable[[int, int], float] | None = None) -> SimResult:
   """Replays `trace` under `policy`, no model involved.
 
   Sequences run in consecutive static batches of `batch` (default: all at
@@ -495,6 +565,9 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
   recorded seconds while the replay follows the recording (same K and live at
   each step so far, all sequences in one batch), `StepCosts` after.
   `censored`: 'reject' or 'accept', how UNKNOWN positions replay.
+  `width_cost(width, live)`, if given, prices a step by the positions its
+  verify pass runs instead (variable-length drafters: a step without drafts
+  costs a decode step, whatever K).
   """
   if censored not in ('reject', 'accept'):
     raise SpecjaxError(f"censored must be 'reject' or 'accept', got {censored!r}")
@@ -518,16 +591,24 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
       k = policy.choose(state, live)
       if k not in policy.candidates:
         raise SpecjaxError(f'policy {policy.name} chose K={k}, not among its candidates {policy.candidates}')
-      accepted = np.array([_accepted(trace.outcomes[i], pos[i], k, censored == 'accept') for i in live_rows])
+      replayed = [_replay_step(trace.outcomes[i], pos[i], k, censored == 'accept') for i in live_rows]
+      accepted = np.array([a for a, _ in replayed])
+      drafted = np.array([d for _, d in replayed])
+      t = len(out.ks)
+      on_path = on_path and t < len(recorded) and recorded[t][0] == k and recorded[t][2] == live
+      if on_path and trace.drafted:
+        drafted = np.array([trace.drafted[i][len(out.accepted[i])] for i in live_rows])
       for i, a in zip(live_rows, accepted):
         emitted = min(int(a) + 1, trace.lengths[i] - pos[i])
         pos[i] += emitted
         out.emitted[i] += emitted
         out.accepted[i].append(int(a))
-      t = len(out.ks)
-      on_path = on_path and t < len(recorded) and recorded[t][0] == k and recorded[t][2] == live
-      step_s = recorded[t][1] if on_path else step_cost(k, live)
-      state = policy.observe(state, k, accepted, step_s, live)
+      width = verified_width(k, drafted)
+      if width_cost is not None:
+        step_s = width_cost(width, live)
+      else:
+        step_s = recorded[t][1] if on_path else step_cost(k, live)
+      state = policy.observe(state, k, accepted, step_s, live, drafted, width)
       out.ks.append(k)
       out.live.append(live)
       out.step_s.append(step_s)
@@ -537,11 +618,11 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
 
 
 def oracle_best_fixed(trace: Trace, candidates: Sequence[int], *, batch: int | None = None,
-                      cost: Callable[[int, int], float] | None = None,
-                      censored: str = 'reject') -> tuple[int, dict[int, float]]:
+                      cost: Callable[[int, int], float] | None = None, censored: str = 'reject',
+                      width_cost: Callable[[int, int], float] | None = None) -> tuple[int, dict[int, float]]:
   """The fixed K with the most simulated tokens/s (ties: the smaller K), and tokens/s per K."""
-  rates = {k: simulate(Fixed(k), trace, batch=batch, cost=cost, censored=censored).tokens_per_s
-           for k in sorted(set(candidates))}
+  rates = {k: simulate(Fixed(k), trace, batch=batch, cost=cost, censored=censored,
+                       width_cost=width_cost).tokens_per_s for k in sorted(set(candidates))}
   return max(rates, key=lambda k: (rates[k], -k)), rates
 
 

@@ -133,3 +133,47 @@ def test_unsupported_combinations():
   gemma = specjax.load(f'{FIXTURES}/tiny_gemma3')
   with pytest.raises(SpecjaxError, match='loaded with its MTP head'):
     make_drafter('mtp', gemma)
+
+
+def test_mtp_bookkeeping_under_random_acceptance():
+  """After any acceptance pattern the MTP head sees exactly the pairs (h_t, x_{t+1}) of the committed text.
+
+  Drives the drafter by hand: prefill in two chunks, then propose / commit with a random number of emitted
+  tokens each step, the verify hidden states taken from one full target pass. Each proposal's first
+  distribution must equal the MTP head run from scratch over all committed pairs.
+  """
+  from specjax.drafters import BatchPlan, DraftContext
+  model = specjax.load(f'{FIXTURES}/tiny_qwen3_5', mtp=True)
+  target = model.module()
+  drafter = make_drafter('mtp', model)
+  rng = np.random.default_rng(0)
+  b, n, k, page = 2, 40, 3, 4
+  x = rng.integers(3, model.config.vocab_size, (b, n)).astype(np.int32)
+  full_cache = _cache(model, b, 1, pages_per_seq=n // page)
+  hidden = np.asarray(target.forward(jnp.asarray(x), full_cache, jnp.full((b,), n, jnp.int32))[0])
+  tables = np.arange(1, b * (n // page) + 1, dtype=np.int32).reshape(b, n // page)
+  state = drafter.init_state(BatchPlan(b, n, b * (n // page) + 1, page, tables, max_draft=k))
+  lengths = np.array([9, 6])  # prompt lengths; x[:, L] is each row's last (not yet cached) token
+  for start, stop in ((0, 5), (5, 9)):  # two prefill chunks, ragged
+    lens = np.clip(lengths - start, 0, stop - start).astype(np.int32)
+    state = drafter.prefill(target, (), state, jnp.asarray(x[:, start:stop]), jnp.asarray(lens),
+                            jnp.asarray(hidden[:, start:stop]))
+  sampling = specjax.SamplingParams(temperature=1.0)
+  for _ in range(4):
+    ctx = DraftContext(jnp.asarray(x), jnp.asarray(lengths, jnp.int32), jnp.asarray(x[np.arange(b), lengths]),
+                       jnp.ones((b,), bool), jnp.arange(b, dtype=jnp.int32))
+    prop = drafter.propose(target, (), state, full_cache, ctx, k, sampling)
+    for i in range(b):
+      m = lengths[i]
+      fresh = KVCache.create(model.kv_shapes[:1], num_pages=n // page + 1, page_size=page,
+                             block_tables=np.arange(1, n // page + 1, dtype=np.int32)[None])
+      out, _ = target.mtp(target.embed(jnp.asarray(x[i:i + 1, 1:m + 1])), jnp.asarray(hidden[i:i + 1, :m]), fresh,
+                          jnp.asarray([m], jnp.int32))
+      want = np.asarray(jax.nn.softmax(target.logits(out[0, m - 1])))
+      np.testing.assert_allclose(np.asarray(prop.q[i, 0]), want, atol=1e-5)
+    emitted = rng.integers(1, k + 2, b)
+    verify_hidden = np.stack([hidden[i, lengths[i]:lengths[i] + k + 1] for i in range(b)])
+    lengths = lengths + emitted
+    ctx = DraftContext(jnp.asarray(x), jnp.asarray(lengths, jnp.int32), jnp.asarray(x[np.arange(b), lengths]),
+                       jnp.ones((b,), bool), jnp.arange(b, dtype=jnp.int32))
+    state = drafter.commit((), prop.state, ctx, jnp.asarray(emitted, jnp.int32), (), jnp.asarray(verify_hidden))

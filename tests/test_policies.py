@@ -9,7 +9,7 @@ import pytest
 
 from specjax import SpecjaxError
 from specjax.drafters import NgramDrafter
-from specjax.policies import (ACCEPT, ENV, REJECT, UNKNOWN, Fixed, Load, StepCosts, Trace, Tuner,
+from specjax.policies import (ACCEPT, ENV, NONE, REJECT, UNKNOWN, Fixed, Load, StepCosts, Trace, Tuner,
                               bernoulli_trace, candidates_for, make_policy, oracle_best_fixed, regret,
                               simulate, trace_from_stats)
 
@@ -265,6 +265,39 @@ def test_oracle_and_regret():
     regret(1.0, 0.0)
 
 
+def ngram_like_trace(p_miss, p_accept, *, rows, length, seed):
+  """Positions with no draft (NONE) with probability p_miss, else ACCEPT with probability p_accept."""
+  rng = np.random.default_rng(seed)
+  u, v = rng.random((rows, length)), rng.random((rows, length))
+  outcomes = np.where(u < p_miss, NONE, np.where(v < p_accept, ACCEPT, REJECT)).astype(np.int8)
+  return Trace(list(outcomes), [length] * rows)
+
+
+def test_tuner_prices_steps_by_verified_width():
+  """Short drafts (n-gram misses) cost a decode step whatever K: the tuner learns the draft-length law."""
+  tuner = Tuner((2, 4, 6, 8))
+  state = tuner.init()
+  for k, drafted, width, seconds in [(8, [0], 1, 1.0), (8, [8], 9, 2.6), (4, [4], 5, 1.8), (2, [0], 1, 1.0)]:
+    state = tuner.observe(state, k, np.array([min(drafted[0], 1)]), seconds, 1, np.array(drafted), width)
+  assert state.short
+  np.testing.assert_allclose(tuner.width_times(state, 1)[[0, 4, 8]], [1.0, 1.8, 2.6])
+  # P(a first draft): EMA over miss, hit, hit, miss (alpha 0.1, the first sets it); later positions always hit.
+  want = ((0 + 0.1) * 0.9 + 0.1) * 0.9
+  np.testing.assert_allclose(tuner.survival(state)[[0, 3, 7]], [want] * 3)
+  times = tuner.step_times(state, 1)
+  assert 1.0 < times[0] < times[-1] < 2.6  # a mix of decode-cost misses and full-width steps
+
+
+@pytest.mark.parametrize('p_miss', [0.3, 0.6])
+def test_tuner_near_oracle_with_misses(p_miss):
+  """Half-missing n-gram drafts, cost by verified width: the tuner is within 5% of the best fixed K."""
+  width_cost = lambda width, live: 1.0 + 0.15 * (width - 1)
+  trace = ngram_like_trace(p_miss, 0.8, rows=1, length=3000, seed=3)
+  best, rates = oracle_best_fixed(trace, (2, 4, 6, 8), width_cost=width_cost)
+  sim = simulate(Tuner((2, 4, 6, 8)), trace, width_cost=width_cost)
+  assert regret(sim.tokens_per_s, rates[best]) < 0.05, (best, rates, sim.tokens_per_s)
+
+
 # ---------------------------------------------------------------- recorded runs
 
 
@@ -287,3 +320,15 @@ def test_replay_reproduces_a_recorded_run(tiny_model):
   assert other.tokens == sum(len(r.tokens) - 1 for r in results) and other.seconds > 0
   with pytest.raises(SpecjaxError, match='speculative metrics'):
     trace_from_stats([dataclasses.replace(results[0], spec=None)], stats)
+
+
+def test_policy_state_carries_across_requests(tiny_model):
+  import specjax
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter())
+  tuner = Tuner((2, 4, 6, 8))
+  prompt = ['The cat sat on the mat. The cat sat on the mat. The cat']
+  _, first = engine.generate(prompt, max_new_tokens=16, num_draft=tuner)
+  assert [k for k, _, _ in first.steps[:4]] == [8, 6, 4, 2]  # warm-up
+  _, second = engine.generate(prompt, max_new_tokens=16, num_draft=tuner, policy_state=first.policy_state)
+  assert second.policy_state.step == first.policy_state.step + len(second.steps)
+  assert [k for k, _, _ in second.steps[:4]] != [8, 6, 4, 2]  # no second warm-up

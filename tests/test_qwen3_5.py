@@ -114,3 +114,28 @@ def test_mtp_bad_input(tmp_path):
     specjax.load(f'{FIXTURES}/tiny_gemma3', mtp=True)
   with pytest.raises(SpecjaxError, match='not supported from GGUF'):
     specjax.load('gemma-3-270m', mtp=True)
+
+
+def test_moe_gathered_experts_equal_dense():
+  model = specjax.load(f'{FIXTURES}/tiny_qwen3_5_moe')
+  moe = model.module().layers[0].mlp
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, model.config.hidden_size)), jnp.float32)
+  np.testing.assert_allclose(np.asarray(moe(x, gather=True)), np.asarray(moe(x, gather=False)), atol=1e-5, rtol=0)
+
+
+def test_multimodal_wrapper_names(tmp_path):
+  """Hub Qwen3.5 checkpoints: config under text_config, weights under model.language_model.*, a vision tower."""
+  from safetensors.numpy import load_file, save_file
+  d = tmp_path / 'wrapped'
+  shutil.copytree(f'{FIXTURES}/tiny_qwen3_5', d)
+  text = json.loads((d / 'config.json').read_text())
+  (d / 'config.json').write_text(json.dumps({'model_type': 'qwen3_5', 'architectures': ['Qwen3_5ForConditionalGeneration'],
+                                             'text_config': text, 'vision_config': {'depth': 1}}))
+  tensors = load_file(d / 'model.safetensors')
+  tensors = {('model.language_model.' + k[len('model.'):] if k.startswith('model.') else k): v
+             for k, v in tensors.items()}
+  tensors['model.visual.patch_embed.weight'] = np.zeros((2, 2), np.float32)
+  save_file(tensors, d / 'model.safetensors')
+  ref = np.load(f'{FIXTURES}/tiny_qwen3_5_reference.npz')
+  logits, _, _ = run_model(specjax.load(str(d)), ref['input_ids'], [12])
+  close(logits, ref['logits'])

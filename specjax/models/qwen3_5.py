@@ -79,8 +79,10 @@ class Qwen35Config:
   def from_hf(cls, hf: dict[str, Any]) -> Qwen35Config:
     """Reads an HF Qwen3.5 / Qwen3.5-MoE / Qwen3-Next config (or its `text_config`)."""
     model_type = hf.get('model_type')
-    hf = hf.get('text_config', hf)
+    outer, hf = hf, hf.get('text_config', hf)
     try:
+      if hf.get('attn_output_gate', True) is False:
+        raise SpecjaxError(f'{model_type} config: attention without the output gate is not supported')
       layers = int(hf['num_hidden_layers'])
       layer_types = hf.get('layer_types')
       if layer_types is None:
@@ -117,7 +119,7 @@ class Qwen35Config:
           rms_norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
           rope_theta=float(rope.get('rope_theta') or hf.get('rope_theta') or 10_000.0),
           partial_rotary_factor=float(rope.get('partial_rotary_factor') or hf.get('partial_rotary_factor') or 0.25),
-          tie_word_embeddings=bool(hf.get('tie_word_embeddings', False)),
+          tie_word_embeddings=bool(hf.get('tie_word_embeddings', outer.get('tie_word_embeddings', False))),
           max_position_embeddings=int(hf.get('max_position_embeddings', 32768)),
           moe_layers=moe_layers,
           num_experts=experts,
@@ -261,7 +263,8 @@ class SparseMoE(nnx.Module):
       self.shared_gate = _param(d, 1)
     self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
-  def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D]
+  def __call__(self, x: jax.Array, gather: bool | None = None) -> jax.Array:  # [B, T, D]
+    """`gather`: read only the chosen experts (default: when tokens x top-k < experts)."""
     b, t, _ = x.shape
     e = self.router.shape[1]
     probs = jax.nn.softmax(jnp.einsum('btd,de->bte', x, self.router[...]).astype(jnp.float32), axis=-1)
@@ -269,7 +272,7 @@ class SparseMoE(nnx.Module):
     if self.renormalize:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights.astype(x.dtype)
-    if b * t * self.top_k < e:  # few tokens (decode, verify): read only the chosen experts
+    if b * t * self.top_k < e if gather is None else gather:  # few tokens (decode, verify)
       gate, up = jnp.split(jnp.einsum('btd,btxdf->btxf', x, self.gate_up[...][experts]), 2, axis=-1)
       y = jnp.einsum('btxf,btxfd->btxd', jax.nn.silu(gate) * up, self.down[...][experts])
       out = jnp.einsum('btxd,btx->btd', y, weights)

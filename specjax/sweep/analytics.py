@@ -206,7 +206,10 @@ def _recorded_batches(records: list[dict]) -> list[tuple[list[dict], list[tuple[
 def _trace(rows: list[dict], steps: list[tuple[int, float, int]]):
   from types import SimpleNamespace
   from specjax import policies
-  results = [SimpleNamespace(tokens=r['tokens'], spec=SimpleNamespace(accepted_per_step=r['accepted_per_step']))
+  results = [SimpleNamespace(tokens=r['tokens'], spec=SimpleNamespace(
+      accepted_per_step=r['accepted_per_step'],
+      # results written before draft counts were recorded: every step drafted K
+      drafted_per_step=r.get('drafted_per_step') or r['k_per_step'][:len(r['accepted_per_step'])]))
              for r in rows]
   return policies.trace_from_stats(results, SimpleNamespace(steps=steps))
 

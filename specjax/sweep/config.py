@@ -44,7 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
       'model': 'gemma-3-270m',  # demo name, HF directory, .gguf file or hub id
       'attention_impl': 'auto',
       'drafter': {
-          'kind': 'ngram',  # ngram | layer-skip | draft-model
+          'kind': 'ngram',  # ngram | layer-skip | draft-model | mtp
           'draft_model': None,  # draft-model: same forms as `model`
           'ngram_min': 1,
           'ngram_max': 3,

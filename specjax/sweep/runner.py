@@ -21,7 +21,8 @@ from specjax.sampling import SamplingParams
 from specjax.sweep import analytics, artifacts, plots as plots_lib
 from specjax.sweep.config import Cell, SweepConfig, expand, resolve, stable_hash
 
-DRAFTER_FIELDS = {'ngram': ('ngram_min', 'ngram_max'), 'layer-skip': ('layers',), 'draft-model': ('draft_model',)}
+DRAFTER_FIELDS = {'ngram': ('ngram_min', 'ngram_max'), 'layer-skip': ('layers',), 'draft-model': ('draft_model',),
+                  'mtp': ()}
 
 
 def _sampling(cell: Cell) -> SamplingParams:
@@ -45,12 +46,15 @@ def drafter_label(cell: Cell) -> str:
     return f'ngram({fields[0]}..{fields[1]})'
   if kind == 'layer-skip':
     return f'layer-skip({fields[0] if fields[0] is not None else "auto"})'
+  if kind == 'mtp':
+    return 'mtp'
   return f'draft-model({os.path.basename(str(fields[0]).rstrip("/"))})'
 
 
 def _max_depth(kind: str) -> int:
-  from specjax.drafters import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
-  return {'ngram': NgramDrafter, 'layer-skip': LayerSkipDrafter, 'draft-model': DraftModelDrafter}[kind].max_depth
+  from specjax.drafters import DraftModelDrafter, LayerSkipDrafter, MTPDrafter, NgramDrafter
+  return {'ngram': NgramDrafter, 'layer-skip': LayerSkipDrafter, 'draft-model': DraftModelDrafter,
+          'mtp': MTPDrafter}[kind].max_depth
 
 
 def make_cell_policy(cell: Cell):
@@ -150,8 +154,12 @@ class _Workbench:
       key = self._base_key(cell)
       self.max_draft[key] = max(self.max_draft.get(key, 1), *cell_policies[cell.id].candidates)
     keys = {self.engine_key(c, b) for c in cells for b in (False, True)}
+    # Targets of mtp cells load their MTP head (their baselines share that model).
+    self.mtp_models = {(c.config['model'], c.config['attention_impl']) for c in cells
+                       if c.config['drafter.kind'] == 'mtp'}
     models = {k[:2] for k in keys} | {(c.config['drafter.draft_model'], c.config['attention_impl'])
                                       for c in cells if c.config['drafter.kind'] == 'draft-model'}
+    models = {m + (m in self.mtp_models,) for m in models}
     for key in set(_ENGINES) - keys:
       del _ENGINES[key]
     for key in set(_MODELS) - models:
@@ -167,10 +175,11 @@ class _Workbench:
     return key + (0 if baseline else self.max_draft[key],)
 
   def model(self, spec: str, attention_impl: str):
-    key = (spec, attention_impl)
+    mtp = (spec, attention_impl) in self.mtp_models
+    key = (spec, attention_impl, mtp)
     if key not in _MODELS:
       import specjax
-      _MODELS[key] = specjax.load(spec, attention_impl=attention_impl)
+      _MODELS[key] = specjax.load(spec, attention_impl=attention_impl, mtp=mtp)
     return _MODELS[key]
 
   def engine(self, cell: Cell, baseline: bool = False):
@@ -221,6 +230,7 @@ def _row_record(row: int, result, stats, prompt: Prompt, request_id: int, base: 
   if spec is not None:
     record.update({
         'accepted_per_step': [int(a) for a in spec.accepted_per_step],
+        'drafted_per_step': [int(d) for d in spec.drafted_per_step],
         'target_steps': spec.target_steps,
         'drafted': spec.drafted,
         'accepted': spec.accepted,
@@ -313,6 +323,7 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   left = {c.id: len(plan[c.id]) for c in pending}
   seconds = {c.id: 0.0 for c in pending}
   bar = _Progress(len(units), progress)
+  policy_states: dict[str, Any] = {}  # an adaptive policy learns across its cell's batches
   try:
     for cell, b, batch in units:
       t_batch = time.perf_counter()
@@ -320,7 +331,9 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
       sampling = _sampling(cell)
       ids = [rid for rid, _ in batch]
       baseline_id = _baseline(bench, log, cell, batch, sampling)
-      results, stats, runs = _generate(bench.engine(cell), cell, [p.text for _, p in batch], ids, sampling, policy)
+      results, stats, runs = _generate(bench.engine(cell), cell, [p.text for _, p in batch], ids, sampling, policy,
+                                       policy_states.get(cell.id))
+      policy_states[cell.id] = stats.policy_state
       base = {'type': 'request', 'cell': cell.id, 'baseline': baseline_id, 'batch': b, 'decode_s_runs': runs}
       for row, ((rid, prompt), result) in enumerate(zip(batch, results)):
         log.write(_row_record(row, result, stats, prompt, rid, base))
@@ -351,14 +364,20 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
           'cells_skipped': len(cells) - len(pending), 'plots': written}
 
 
-def _generate(engine, cell: Cell, texts: list[str], ids: list[int], sampling: SamplingParams, num_draft):
+def _generate(engine, cell: Cell, texts: list[str], ids: list[int], sampling: SamplingParams, num_draft,
+              policy_state=None):
   """A batch's timed generate calls: the fastest of `repeats` runs counts (all must give the same tokens).
+
+  Every run starts from the same `policy_state` (the cell's policy state after its previous batch); the
+  fastest run's final state carries on.
 
   With `warmup`, a call that compiled anything is run again before the timed
   runs. Tokens never change between runs (draws are keyed by seed, request id
   and position), only the clock does. Returns (results, stats, decode seconds of every timed run).
   """
   kw = dict(max_new_tokens=cell.config['max_new_tokens'], sampling=sampling, request_ids=ids, num_draft=num_draft)
+  if num_draft:
+    kw['policy_state'] = policy_state
   results, stats = engine.generate(texts, **kw)
   if cell.config['warmup'] and stats.compile_s > 0:
     results, stats = engine.generate(texts, **kw)
