@@ -157,20 +157,13 @@ class TunerState:
   current: int  # candidate index last chosen on merit (-1: none yet)
   accept: np.ndarray  # [D] EMA of P(draft j accepted | drafts before it accepted); no draft: not accepted
   accept_n: np.ndarray  # [D] rows that reached each position
-  length: np.ndarray  # [D] EMA of P(row drafts >= j | it drafts >= j - 1): short drafts (n-gram misses)
-  length_n: np.ndarray  # [D] rows at risk at each position
-  short: bool  # some step drafted fewer than K (variable-length drafter: verify width follows the drafts)
-  step_s: np.ndarray  # [L, W] EMA of step seconds per live bucket and verified width 1..D + 1
-  step_n: np.ndarray  # [L, W] steps measured
+  miss: float  # EMA of P(a row has no draft at all) (n-gram misses; 0 for model drafters)
+  miss_n: int  # rows observed
+  level: np.ndarray  # [L] EMA of the cost level per live bucket (seconds), moved by every step
+  shape: np.ndarray  # [L, 1 + C] step seconds / level: column 0 a step without drafts, 1 + i candidate i
+  shape_n: np.ndarray  # [L, 1 + C] steps measured
+  drafted_steps: np.ndarray  # [C] steps with drafts each candidate ran
   last_tried: np.ndarray  # [L, C] step at which each candidate last ran (-1: never)
-
-
-def _ema(value: np.ndarray, count: np.ndarray, hits: np.ndarray, trials: np.ndarray, alpha: float) -> None:
-  """In place: each trial moves the estimate by one EMA step of weight alpha (the first sets it)."""
-  for j in np.flatnonzero(trials):
-    w = 1.0 - (1.0 - alpha) ** trials[j] if count[j] else 1.0
-    value[j] += w * (hits[j] / trials[j] - value[j])
-  count += trials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,30 +177,29 @@ class Tuner(Policy):
   one EMA observation. Positions never reached copy the deepest one that was.
   Expected tokens per row and step: E(K) = 1 + sum_{i <= K} prod_{j <= i} a_j.
 
-  Drafts per row: a step at depth K drafts min(K, L) tokens, L the drafts
-  available (unbounded for model drafters; an n-gram match may be short or
-  missing). Their law is a second EMA per position, the survival
-  l_j = P(L >= j | L >= j - 1), observed at positions j <= K.
-
-  Step time depends on the verified width, not on K: an EMA (`time_alpha`) per
-  width and live bucket (powers of two), linear in the width through the
-  measured ones (with fewer than two in a bucket, the nearest bucket's line,
-  scaled). A model drafter verifies K + 1; a variable-length drafter verifies
-  the longest row's drafts + 1, rounded up to the engine's verify widths, so
-  T(K) is the expectation over the distribution of that maximum among the
-  live rows. A run of n-gram misses thus makes every K cheap alike, instead of
-  flattering the K that happened to run.
+  Time: a step in which no row has a draft (an n-gram miss) verifies one
+  position and costs a decode step whatever K; the others cost T(K). The tuner
+  keeps, per live bucket (powers of two), a cost level that every step moves
+  (`level_alpha`: the context grows, prompts change) and each kind of step's
+  cost relative to it (`shape_alpha`), so a K not run for a while follows the
+  level instead of keeping a stale time. T(K) for a K never measured with
+  drafts is linear in K through the measured ones (with fewer than two in a
+  bucket, the nearest bucket's shape). The miss rate m (an EMA per row) gives
+  T(K) = m^live * T_miss + (1 - m^live) * T_drafts(K).
 
   Choice: argmax E(K) / T(K, live), staying on the current K unless another is
-  better by more than `margin`. Warm-up runs every candidate once, deepest
-  first; then every `explore_every`-th step runs the candidate least recently
-  tried at the current live bucket. No randomness: replays repeat exactly. The
-  state can be carried across requests (`Engine.generate(policy_state=...)`).
+  better by more than `margin`. Warm-up runs each candidate, deepest first,
+  until it has run one step with drafts (at most `warmup_tries` steps each);
+  then every `explore_every`-th step runs the candidate least recently tried
+  at the current live bucket. No randomness: replays repeat exactly. The state
+  can be carried across requests (`Engine.generate(policy_state=...)`).
   """
   candidates: tuple[int, ...] = (2, 4, 6, 8)
   alpha: float = 0.1
-  time_alpha: float = 0.3
+  level_alpha: float = 0.3
+  shape_alpha: float = 0.1
   explore_every: int = 32  # 0: never explore after warm-up
+  warmup_tries: int = 3
   margin: float = 0.02
   prior: float = 0.5  # acceptance assumed before any observation
   name: str = 'tuner'
@@ -217,12 +209,15 @@ class Tuner(Policy):
     if not candidates or candidates[0] < 1:
       raise SpecjaxError(f'tuner needs candidate depths >= 1, got {tuple(self.candidates)}')
     object.__setattr__(self, 'candidates', candidates)
-    if not (0 < self.alpha <= 1 and 0 < self.time_alpha <= 1 and 0 <= self.prior <= 1):
-      raise SpecjaxError(f'tuner needs 0 < alpha, time_alpha <= 1 and 0 <= prior <= 1, got '
-                         f'alpha={self.alpha} time_alpha={self.time_alpha} prior={self.prior}')
-    if self.explore_every < 0 or self.explore_every == 1 or self.margin < 0:
-      raise SpecjaxError(f'tuner needs explore_every = 0 or >= 2 and margin >= 0, got '
-                         f'explore_every={self.explore_every} margin={self.margin}')
+    rates = (self.alpha, self.level_alpha, self.shape_alpha)
+    if not (all(0 < r <= 1 for r in rates) and 0 <= self.prior <= 1):
+      raise SpecjaxError(f'tuner needs 0 < alpha, level_alpha, shape_alpha <= 1 and 0 <= prior <= 1, got '
+                         f'alpha={self.alpha} level_alpha={self.level_alpha} shape_alpha={self.shape_alpha} '
+                         f'prior={self.prior}')
+    if self.explore_every < 0 or self.explore_every == 1 or self.margin < 0 or self.warmup_tries < 1:
+      raise SpecjaxError(f'tuner needs explore_every = 0 or >= 2, margin >= 0 and warmup_tries >= 1, got '
+                         f'explore_every={self.explore_every} margin={self.margin} '
+                         f'warmup_tries={self.warmup_tries}')
 
   def init(self) -> TunerState:
     c, d = len(self.candidates), self.candidates[-1]
@@ -231,75 +226,57 @@ class Tuner(Policy):
         current=-1,
         accept=np.full(d, self.prior),
         accept_n=np.zeros(d, np.int64),
-        length=np.ones(d),
-        length_n=np.zeros(d, np.int64),
-        short=False,
-        step_s=np.zeros((LIVE_BUCKETS, d + 1)),
-        step_n=np.zeros((LIVE_BUCKETS, d + 1), np.int64),
+        miss=0.0,
+        miss_n=0,
+        level=np.zeros(LIVE_BUCKETS),
+        shape=np.zeros((LIVE_BUCKETS, 1 + c)),
+        shape_n=np.zeros((LIVE_BUCKETS, 1 + c), np.int64),
+        drafted_steps=np.zeros(c, np.int64),
         last_tried=np.full((LIVE_BUCKETS, c), -1, np.int64),
     )
 
-  @staticmethod
-  def _filled(values: np.ndarray, counts: np.ndarray, first: float) -> np.ndarray:
-    out = values.copy()
-    for j in range(len(out)):
-      if not counts[j]:
-        out[j] = out[j - 1] if j else first
-    return out
-
   def acceptance(self, state: TunerState) -> np.ndarray:  # [D]
     """Conditional acceptance per draft position; unreached positions copy the one before."""
-    return self._filled(state.accept, state.accept_n, self.prior)
-
-  def survival(self, state: TunerState) -> np.ndarray:  # [D]
-    """P(a row has at least j drafts), j = 1..D."""
-    return np.cumprod(self._filled(state.length, state.length_n, 1.0))
+    a = state.accept.copy()
+    for j in range(len(a)):
+      if not state.accept_n[j]:
+        a[j] = a[j - 1] if j else self.prior
+    return a
 
   def expected_tokens(self, state: TunerState) -> np.ndarray:  # [C]
     """E(K) per candidate: tokens one row emits in a step of depth K."""
     gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance(state)))])
     return gain[np.asarray(self.candidates)]
 
-  def width_times(self, state: TunerState, live: int) -> np.ndarray:  # [D + 1]
-    """Estimated seconds of a step that verifies w = 1..D + 1 positions, at this live batch size."""
-    widths = np.arange(1, state.step_s.shape[1] + 1, dtype=np.float64)
-    seen = state.step_n > 0  # [L, W]
+  def step_times(self, state: TunerState, live: int) -> np.ndarray:  # [C]
+    """Expected seconds of a step per candidate at this live batch size."""
+    ks = np.asarray(self.candidates, np.float64)
+    seen = state.shape_n[:, 1:] > 0  # [L, C]
     if not seen.any():
-      return widths  # nothing measured yet: cost grows with the verified block
+      return 1.0 + ks  # nothing measured yet: cost grows with the verified block
     b = live_bucket(live)
     near = sorted(range(LIVE_BUCKETS), key=lambda x: (abs(x - b), x))
     ref = next((x for x in near if seen[x].sum() >= 2), None)
     if ref is None:
       ref = next(x for x in near if seen[x].any())
-    times = _linear(widths, widths[seen[ref]], state.step_s[ref, seen[ref]])
-    times = np.maximum(times, 0.1 * state.step_s[ref, seen[ref]].min())
-    own = seen[b]
-    if ref != b and own.any():
-      times *= np.mean(state.step_s[b, own] / times[own])
-    return times
-
-  def step_times(self, state: TunerState, live: int) -> np.ndarray:  # [C]
-    """Expected seconds of a step per candidate at this live batch size."""
-    times = self.width_times(state, live)
-    if not state.short:
-      return times[np.asarray(self.candidates)]
-    from specjax.step import verify_widths  # pylint: disable=g-import-not-at-top
-    survival = np.concatenate([[1.0], self.survival(state)])  # P(L >= m), m = 0..D
-    out = []
-    for k in self.candidates:
-      below = 1.0 - survival[1:k + 1]  # P(min(K, L) <= m), m = 0..K-1
-      cdf = np.concatenate([below, [1.0]]) ** max(live, 1)  # of the longest of the live rows
-      p_max = np.diff(np.concatenate([[0.0], cdf]))  # P(longest = m), m = 0..K
-      buckets = np.asarray(verify_widths(k))
-      width = buckets[np.searchsorted(buckets, np.arange(k + 1) + 1)]
-      out.append(float(p_max @ times[width - 1]))
-    return np.asarray(out)
+    lev = next(x for x in near if state.shape_n[x].any())
+    shape = _linear(ks, ks[seen[ref]], state.shape[ref, 1:][seen[ref]])
+    shape = np.maximum(shape, 0.1 * state.shape[ref, 1:][seen[ref]].min())
+    own = seen[lev] & seen[ref]
+    if lev != ref and own.any():  # the reference bucket's curve, through this bucket's own points
+      shape *= np.mean(state.shape[lev, 1:][own] / shape[own])
+    times = state.level[lev] * shape
+    if not state.shape_n[lev, 0]:
+      return times
+    all_miss = state.miss ** max(live, 1)
+    return all_miss * state.level[lev] * state.shape[lev, 0] + (1.0 - all_miss) * times
 
   def _forced(self, state: TunerState, live: int) -> int | None:
     """The candidate index a warm-up or exploration step runs, else None."""
-    untried = np.flatnonzero((state.last_tried < 0).all(0))
-    if untried.size:
-      return int(untried[-1])
+    tries = (state.last_tried >= 0).sum(0)
+    warming = np.flatnonzero((state.drafted_steps == 0) & (tries < self.warmup_tries))
+    if warming.size:
+      return int(warming[-1])
     if self.explore_every and (state.step + 1) % self.explore_every == 0:
       return int(np.argmin(state.last_tried[live_bucket(live)]))
     return None
@@ -316,29 +293,42 @@ class Tuner(Policy):
 
   def observe(self, state: TunerState, k: int, accepted: np.ndarray, step_s: float, live: int,
               drafted: np.ndarray | None = None, width: int | None = None) -> TunerState:
-    """One step's outcome: accepted [rows], and (variable-length drafters) drafted [rows], verified width."""
+    """One step's outcome: accepted [rows] and drafted [rows] (None: every row drafted K)."""
     if k not in self.candidates:
       raise SpecjaxError(f'K={k} is not a candidate of this tuner {self.candidates}')
     i, b = self.candidates.index(k), live_bucket(live)
     accepted = np.asarray(accepted).reshape(-1)  # [rows]
     drafted = np.full_like(accepted, k) if drafted is None else np.asarray(drafted).reshape(-1)
     depth = np.arange(1, k + 1)[:, None]  # [k, 1]
-    accept, accept_n = state.accept.copy(), state.accept_n.copy()
-    length, length_n = state.length.copy(), state.length_n.copy()
     reached = (accepted[None, :] >= depth - 1).sum(1)  # [k]
-    _ema(accept, accept_n[:k], (accepted[None, :] >= depth).sum(1), reached, self.alpha)
-    at_risk = (drafted[None, :] >= depth - 1).sum(1)
-    _ema(length, length_n[:k], (drafted[None, :] >= depth).sum(1), at_risk, self.alpha)
-    width = k + 1 if width is None else int(width)
-    step_s_ema, step_n = state.step_s.copy(), state.step_n.copy()
-    w = self.time_alpha if step_n[b, width - 1] else 1.0
-    step_s_ema[b, width - 1] += w * (step_s - step_s_ema[b, width - 1])
-    step_n[b, width - 1] += 1
+    hits = (accepted[None, :] >= depth).sum(1)
+    accept, accept_n = state.accept.copy(), state.accept_n.copy()
+    for j in np.flatnonzero(reached):
+      w = 1.0 - (1.0 - self.alpha) ** reached[j] if accept_n[j] else 1.0
+      accept[j] += w * (hits[j] / reached[j] - accept[j])
+    accept_n[:k] += reached
+    rows, misses = len(drafted), int((drafted == 0).sum())
+    w = 1.0 - (1.0 - self.alpha) ** rows if state.miss_n else 1.0
+    miss = state.miss + w * (misses / max(rows, 1) - state.miss)
+    level, shape, shape_n = state.level.copy(), state.shape.copy(), state.shape_n.copy()
+    kind = 0 if misses == rows else 1 + i  # a step without any draft, or a step of candidate i
+    if not shape_n[b].any():  # a new live bucket: normalised like the nearest bucket that ran this kind
+      known = [x for x in sorted(range(LIVE_BUCKETS), key=lambda x: (abs(x - b), x)) if shape_n[x, kind]]
+      shape[b, kind] = shape[known[0], kind] if known else 1.0
+      level[b] = step_s / shape[b, kind]
+    elif not shape_n[b, kind]:
+      shape[b, kind] = step_s / level[b]
+    else:
+      level[b] += self.level_alpha * (step_s / shape[b, kind] - level[b])
+      shape[b, kind] += self.shape_alpha * (step_s / level[b] - shape[b, kind])
+    shape_n[b, kind] += 1
+    drafted_steps = state.drafted_steps.copy()
+    drafted_steps[i] += kind > 0
     last_tried = state.last_tried.copy()
     last_tried[b, i] = state.step
     current = state.current if self._forced(state, live) is not None else i
-    return TunerState(state.step + 1, current, accept, accept_n, length, length_n,
-                      state.short or bool((drafted < k).any()), step_s_ema, step_n, last_tried)
+    return TunerState(state.step + 1, current, accept, accept_n, miss, state.miss_n + rows, level, shape,
+                      shape_n, drafted_steps, last_tried)
 
 
 # ---------------------------------------------------------------- construction
@@ -405,7 +395,7 @@ def make_policy(name: str, *, family: str, candidates: Sequence[int] | None = No
   """Builds 'fixed' (depth k), 'tuner' or 'load' (full depth k) for a drafter family.
 
   Candidates default to `candidates_for(family, ...)`; k defaults to the
-  deepest candidate. `kw` are the policy's options (tuner: alpha, time_alpha,
+  deepest candidate. `kw` are the policy's options (tuner: alpha, level_alpha, shape_alpha,
   explore_every, margin, prior; load: reduced, threshold). SPECJAX_POLICY, when
   set, overrides name (and k / candidates when it gives them).
   """
@@ -519,6 +509,31 @@ class StepCosts:
     return float(max(t, 0.1 * min(at_live)))
 
 
+class WidthCosts:
+  """Step seconds by verified width from recorded (width, seconds, live): the median per (width, live).
+
+  Elsewhere: linear in the width between recorded widths at the nearest recorded
+  live (constant past the ends), scaled by live / that live beyond it.
+  """
+
+  def __init__(self, steps: Sequence[tuple[int, float, int]]):
+    groups: dict[tuple[int, int], list[float]] = {}
+    for width, seconds, live in steps:
+      groups.setdefault((int(width), int(live)), []).append(float(seconds))
+    if not groups:
+      raise SpecjaxError('no recorded steps to price widths from')
+    self.table = {key: float(np.median(v)) for key, v in groups.items()}
+    self.lives = sorted({live for _, live in self.table})
+
+  def __call__(self, width: int, live: int) -> float:
+    if (width, live) in self.table:
+      return self.table[width, live]
+    near = min(self.lives, key=lambda x: (abs(x - live), x))
+    widths = sorted(w for w, l in self.table if l == near)
+    t = float(np.interp(width, widths, [self.table[w, near] for w in widths]))
+    return t * (live / near if live > near else 1.0)
+
+
 @dataclasses.dataclass
 class SimResult:
   tokens: int  # emitted by decode steps (each sequence's first token, from prefill, not counted)
@@ -528,6 +543,7 @@ class SimResult:
   step_s: list[float]
   accepted: list[list[int]]  # per sequence, drafts accepted at each of its steps
   emitted: list[int]  # per sequence
+  state: Any = dataclasses.field(default=None, compare=False)  # the policy's state after the last batch
 
   @property
   def steps(self) -> int:
@@ -556,7 +572,7 @@ def _replay_step(outcomes: np.ndarray, pos: int, k: int, unknown_accepts: bool) 
 
 def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
              cost: Callable[[int, int], float] | None = None, censored: str = 'reject',
-             width_cost: Callable[[int, int], float] | None = None) -> SimResult:
+             width_cost: Callable[[int, int], float] | None = None, state: Any = None) -> SimResult:
   """Replays `trace` under `policy`, no model involved.
 
   Sequences run in consecutive static batches of `batch` (default: all at
@@ -567,7 +583,8 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
   `censored`: 'reject' or 'accept', how UNKNOWN positions replay.
   `width_cost(width, live)`, if given, prices a step by the positions its
   verify pass runs instead (variable-length drafters: a step without drafts
-  costs a decode step, whatever K).
+  costs a decode step, whatever K). `state` continues a policy state (the
+  first batch starts from it instead of a fresh one; see `SimResult.state`).
   """
   if censored not in ('reject', 'accept'):
     raise SpecjaxError(f"censored must be 'reject' or 'accept', got {censored!r}")
@@ -582,7 +599,7 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
   for start in range(0, n, batch):
     rows = range(start, min(start + batch, n))
     pos = [0] * n
-    state = policy.init()
+    state = policy.init() if state is None or start else state
     while True:
       live_rows = [i for i in rows if pos[i] < trace.lengths[i]]
       if not live_rows:
@@ -614,6 +631,7 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
       out.step_s.append(step_s)
   out.tokens = sum(out.emitted)
   out.seconds = float(sum(out.step_s))
+  out.state = state
   return out
 
 

@@ -203,6 +203,16 @@ def _recorded_batches(records: list[dict]) -> list[tuple[list[dict], list[tuple[
   return out
 
 
+def _widths(rows: list[dict], steps: list[tuple[int, float, int]]) -> list[tuple[int, float, int]]:
+  """(verified width, seconds, live) of a recorded batch's steps."""
+  from specjax import policies
+  out = []
+  for t, (k, seconds, live) in enumerate(steps):
+    drafted = [r['drafted_per_step'][t] for r in rows if t < len(r['drafted_per_step'])] or [k]
+    out.append((policies.verified_width(k, drafted), seconds, live))
+  return out
+
+
 def _trace(rows: list[dict], steps: list[tuple[int, float, int]]):
   from types import SimpleNamespace
   from specjax import policies
@@ -225,9 +235,12 @@ def cell_policy(cell: dict):
 def simulate_group(by_cell: dict[str, list[dict]], cells: dict[str, dict]) -> dict[str, Any] | None:
   """Replays every policy of a group over the traces of its deepest fixed-K cell.
 
-  Step costs come from every recorded step of the group (`StepCosts`: the mean
-  per (K, live), interpolated elsewhere); each recorded batch replays as one
-  generate call. Returns {policy label: {'tok_s', 'regret'}, '_oracle': {'k',
+  Step costs come from every recorded step of the group: by verified width
+  when the records carry draft counts (`WidthCosts`: a step without drafts
+  costs a decode step whatever K), else per K (`StepCosts`: the mean per (K,
+  live), interpolated elsewhere). The recorded batches replay in order as
+  generate calls, an adaptive policy's state carried from one to the next as
+  the sweep does. Returns {policy label: {'tok_s', 'regret'}, '_oracle': {'k',
   'tok_s', 'rates'}}, or None without a fixed-K cell to replay.
   """
   from specjax import policies
@@ -236,16 +249,21 @@ def simulate_group(by_cell: dict[str, list[dict]], cells: dict[str, dict]) -> di
     return None
   ref = fixed[-1][1]
   traces = [_trace(rows, steps) for rows, steps in _recorded_batches(by_cell[ref])]
-  all_steps = [s for rs in by_cell.values() for _, steps in _recorded_batches(rs) for s in steps]
-  cost = policies.StepCosts(all_steps)
+  batches = [b for rs in by_cell.values() for b in _recorded_batches(rs)]
+  if all('drafted_per_step' in r for rows, _ in batches for r in rows):
+    kw = {'width_cost': policies.WidthCosts([w for rows, steps in batches for w in _widths(rows, steps)])}
+  else:
+    kw = {'cost': policies.StepCosts([s for _, steps in batches for s in steps])}
 
   def rate(policy) -> float:
-    runs = [policies.simulate(policy, t, cost=cost) for t in traces]
-    seconds = sum(r.seconds for r in runs)
-    return sum(r.tokens for r in runs) / seconds if seconds else 0.0
+    tokens, seconds, state = 0, 0.0, None
+    for t in traces:
+      run = policies.simulate(policy, t, state=state, **kw)
+      tokens, seconds, state = tokens + run.tokens, seconds + run.seconds, run.state
+    return tokens / seconds if seconds else 0.0
 
   candidates = sorted({k for k, _ in fixed})  # the depths measured as fixed cells: the same choice as the measured oracle
-  rates = {k: rate(policies.Fixed(k)) for k in candidates}  # a policy's other depths replay on StepCosts
+  rates = {k: rate(policies.Fixed(k)) for k in candidates}
   best = max(rates, key=lambda k: (rates[k], -k))
   out: dict[str, Any] = {'_oracle': {'k': best, 'tok_s': rates[best], 'rates': rates}}
   for c in by_cell:

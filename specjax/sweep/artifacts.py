@@ -248,7 +248,9 @@ def format_summary(analysis: dict, manifest: dict, plots: list[str]) -> str:
     lines += ['## Policies against the oracle best fixed K', '',
               'measured: the best fixed-K cell of the category (highest tok/s). sim: every policy replayed '
               '(`specjax.policies.simulate`) over the acceptance trace recorded at the deepest fixed K, with the '
-              'step costs measured in the category; sim oracle = the best of the same fixed depths in the replay. '
+              'step costs measured in the category (per verified width when draft counts are recorded), the '
+              'batches in order with adaptive state carried; sim oracle = the best of the same fixed depths in the '
+              'replay. '
               'regret = 1 − tok/s / oracle tok/s; ≤ 5% passes.', '',
               '| setting | category | policy | tok/s | oracle K | oracle tok/s | regret | within 5% | '
               'sim tok/s | sim oracle K | sim regret |',
