@@ -24,7 +24,7 @@ from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters.base import BatchPlan, Drafter
 from specjax.metrics import SpecMetrics
-from specjax.policies import Fixed, Policy, verified_width
+from specjax.policies import Fixed, Policy
 from specjax.step import propose_phase, spec_step, verify_phase, write_tokens
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.models.base import Model
@@ -394,8 +394,7 @@ class Engine:
           spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]))
           spec[i].draft_s += self.phase_s[0] if self.profile else 0.0
           spec[i].verify_s += self.phase_s[1] if self.profile else 0.0
-        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live, drafted[rows],
-                                verified_width(k_step, drafted[rows]))
+        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live, drafted[rows])
       active = now_active
     stats.decode_s = time.perf_counter() - t0
     stats.policy_state = pstate

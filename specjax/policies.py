@@ -5,11 +5,11 @@ Python/numpy), so the trace-replay simulator can drive it without a model:
 
   state = policy.init()
   k = policy.choose(state, live)                    # live: sequences still decoding
-  state = policy.observe(state, k, accepted, step_s, live, drafted, width)
+  state = policy.observe(state, k, accepted, step_s, live, drafted)
 
-`accepted` holds the drafts each live sequence accepted in the step, `drafted`
-how many it drafted (fewer than K when an n-gram match runs short; None: K)
-and `width` the positions the verify pass ran (None: K + 1). Every K a
+`accepted` holds the drafts each live sequence accepted in the step and
+`drafted` how many it drafted (fewer than K when an n-gram match runs short;
+None: K). Every K a
 policy may return is in `policy.candidates`, so each is compiled once.
 `observe` returns a new state; it never changes its input.
 
@@ -90,7 +90,7 @@ class Policy:
     raise NotImplementedError
 
   def observe(self, state: Any, k: int, accepted: np.ndarray, step_s: float, live: int,
-              drafted: np.ndarray | None = None, width: int | None = None) -> Any:
+              drafted: np.ndarray | None = None) -> Any:
     return state
 
 
@@ -292,7 +292,7 @@ class Tuner(Policy):
     return self.candidates[best]
 
   def observe(self, state: TunerState, k: int, accepted: np.ndarray, step_s: float, live: int,
-              drafted: np.ndarray | None = None, width: int | None = None) -> TunerState:
+              drafted: np.ndarray | None = None) -> TunerState:
     """One step's outcome: accepted [rows] and drafted [rows] (None: every row drafted K)."""
     if k not in self.candidates:
       raise SpecjaxError(f'K={k} is not a candidate of this tuner {self.candidates}')
@@ -620,12 +620,11 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
         pos[i] += emitted
         out.emitted[i] += emitted
         out.accepted[i].append(int(a))
-      width = verified_width(k, drafted)
       if width_cost is not None:
-        step_s = width_cost(width, live)
+        step_s = width_cost(verified_width(k, drafted), live)
       else:
         step_s = recorded[t][1] if on_path else step_cost(k, live)
-      state = policy.observe(state, k, accepted, step_s, live, drafted, width)
+      state = policy.observe(state, k, accepted, step_s, live, drafted)
       out.ks.append(k)
       out.live.append(live)
       out.step_s.append(step_s)
