@@ -9,8 +9,10 @@ measured costs:
   predicted = tau * T_decode / (T_draft(K) + T_verify(K))
 
 where T_decode is one autoregressive step, T_draft(K) the drafter's propose for
-K tokens and T_verify(K) the target pass over K + 1 tokens, each timed alone
-(`calibrate`). measured / predicted < 1 is the framework's own overhead.
+K tokens (for drafters that draft ahead, the lookup they run at commit) and
+T_verify(K) the target pass over K + 1 tokens, each timed alone (`calibrate`).
+Drafters that draft ahead verify only as wide as their drafts need, so steps
+without drafts cost a decode step and measured / predicted can exceed 1. measured / predicted < 1 is the framework's own overhead.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def _decode_cost(graphdef, params, state):
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
 def _draft_cost(graphdef, drafter, k, sampling, params, dparams, state):
   ctx = DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
-  prop = drafter.propose(nnx.merge(graphdef, params), dparams, state.drafter, state.cache, ctx, k, sampling)
+  dstate = drafter.start(dparams, state.drafter, ctx) if drafter.drafts_ahead else state.drafter  # the lookup
+  prop = drafter.propose(nnx.merge(graphdef, params), dparams, dstate, state.cache, ctx, k, sampling)
   cache = dataclasses.replace(prop.cache, lengths=state.cache.lengths)
   # A drafter with its own cache advances it by K per call: prefill reserved room for that.
   return prop.drafts, dataclasses.replace(state, cache=cache, drafter=prop.state)

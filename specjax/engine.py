@@ -22,10 +22,10 @@ from flax import nnx
 
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache, PageAllocator
-from specjax.drafters.base import BatchPlan, Drafter
+from specjax.drafters.base import BatchPlan, DraftContext, Drafter
 from specjax.metrics import SpecMetrics
 from specjax.policies import Fixed, Policy
-from specjax.step import propose_phase, spec_step, verify_phase, write_tokens
+from specjax.step import propose_phase, spec_step, step_depth, verify_phase, verify_widths, write_tokens
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.models.base import Model
 from specjax.sampling import SamplingParams
@@ -113,6 +113,11 @@ def _drafter_prefill(graphdef, params, dparams, dstate, tokens, query_lens, hidd
 
 def _start(graphdef, params, state, last_hidden, eos_ids, sampling):
   return _emit(nnx.merge(graphdef, params), last_hidden, state, eos_ids, sampling)
+
+
+def _drafter_start(graphdef, params, dparams, state, drafter):
+  ctx = DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
+  return dataclasses.replace(state, drafter=drafter.start(dparams, state.drafter, ctx))
 
 
 def _decode_step(graphdef, params, state, eos_ids, sampling):
@@ -271,11 +276,14 @@ class Engine:
         tokens=jnp.asarray(buffer),
         drafter=dstate,
     )
-    return self._call('start', _start, (state, last_hidden, eos_ids), {'sampling': sampling})
+    state = self._call('start', _start, (state, last_hidden, eos_ids), {'sampling': sampling})
+    if self.drafter:
+      state = self._call('drafter_start', _drafter_start, (dparams, state), {'drafter': self.drafter}, donate=(2,))
+    return state
 
-  def _step_fn(self, k: int, sampling: SamplingParams, state, eos_ids):
-    """The compiled step for depth k (0 = autoregressive) and how to call it."""
-    if k == 0:
+  def _step_fn(self, k: int | None, sampling: SamplingParams, state, eos_ids):
+    """The compiled speculative step for depth k (None: the autoregressive step) and how to call it."""
+    if k is None:
       exe = self._compiled('decode', _decode_step, (state, eos_ids), {'sampling': sampling}, (1,))
       return lambda state: exe(self.model.params, state, eos_ids)
     dparams = self.drafter.params()
@@ -366,9 +374,13 @@ class Engine:
 
     t0 = time.perf_counter()
     state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids)
-    steps = {d: self._step_fn(d, sampling, state, eos_ids) for d in depths}  # compiled before the decode clock
+    ahead = bool(policy) and self.drafter.drafts_ahead
+    exec_depths = sorted({w - 1 for d in depths for w in verify_widths(d)}) if ahead else depths
+    steps = {d: self._step_fn(d if policy else None, sampling, state, eos_ids)
+             for d in exec_depths}  # compiled before the decode clock
     pstate = (policy.init() if policy_state is None else policy_state) if policy else None
-    tokens, active = jax.device_get((state.last_tokens, state.active))
+    pending = self.drafter.pending_lens(state.drafter) if ahead else None
+    tokens, active, pending = jax.device_get((state.last_tokens, state.active, pending))
     stats.prefill_s = time.perf_counter() - t0
     for i in range(n):
       emit(i, tokens[i:i + 1])
@@ -376,9 +388,11 @@ class Engine:
     while active[:n].any():
       live = int(active[:n].sum())
       k_step = policy.choose(pstate, live) if policy else 0
+      k_exec = step_depth(k_step, int(pending.max())) if ahead else k_step
       t_step = time.perf_counter()
-      state, out = steps[k_step](state)
-      out = jax.device_get(out)  # the one host transfer of the step
+      state, out = steps[k_exec](state)
+      pending = self.drafter.pending_lens(state.drafter) if ahead else None
+      out, pending = jax.device_get((out, pending))  # the one host transfer of the step
       step_s = time.perf_counter() - t_step
       stats.decode_steps += 1
       stats.steps.append((k_step, step_s, live))

@@ -14,6 +14,7 @@ and commit the slot of the last kept one (`KVCache.commit`).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import jax
@@ -45,42 +46,32 @@ def propose_phase(graphdef, params, dparams, state, *, drafter, k: int, sampling
 
 
 def verify_widths(k: int) -> tuple[int, ...]:
-  """Verify widths a step may use when drafts can be short: 1, 2, 4, ... and K + 1."""
+  """Verify widths a depth-K step may use when drafts can be short: 1, 2, 4, ... and K + 1."""
   return tuple(sorted({w for w in (1, 2, 4, 8, 16) if w < k + 1} | {k + 1}))
 
 
-def _verify_width(target, state, prop, sampling, drafter, width: int, k: int):
-  """Target pass over the first `width` positions of [last, drafts]; outputs padded to K + 1."""
-  block = jnp.concatenate([state.last_tokens[:, None], prop.drafts[:, :width - 1]], axis=1)  # [B, W]
-  hidden, cache, taps = target.forward(
-      block, state.cache, jnp.where(state.active, width, 0).astype(jnp.int32), taps=drafter.taps)
-  logits = target.logits(hidden).astype(jnp.float32)  # [B, W, V]
-  q = None if prop.q is None else prop.q[:, :width - 1]
-  n_accepted, out = verify(logits, prop.drafts[:, :width - 1], jnp.minimum(prop.draft_lens, width - 1), q,
-                           sampling, state.seq_ids, state.cache.lengths + 1)
-  pad = ((0, 0), (0, k + 1 - width))
-  taps = tuple(jnp.pad(t, pad + ((0, 0),)) for t in taps)
-  hidden = jnp.pad(hidden, pad + ((0, 0),)) if drafter.reads_hidden else None
-  return n_accepted, jnp.pad(out, pad), cache, taps, hidden
+def step_depth(k: int, pending: int) -> int:
+  """The executable a depth-K step runs when the longest pending draft has `pending` tokens.
+
+  Drafters that draft ahead (`Drafter.drafts_ahead`) tell the host their draft
+  lengths before the step; it verifies only the width the longest one needs,
+  rounded up to `verify_widths(k)`, by running the step compiled for depth
+  width - 1 (0: no drafts, a decode step that still commits through the drafter).
+  """
+  widths = verify_widths(k)
+  return widths[bisect.bisect_left(widths, min(pending, k) + 1)] - 1
 
 
 def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k: int, sampling):
-  """Verifies a proposal in one target pass and commits what each row accepted.
-
-  Drafters whose drafts can be short (n-gram) verify only as many positions as
-  the longest draft needs, rounded up to a width in `verify_widths` (chosen on
-  device with `lax.switch`): a step without any draft costs a decode step.
-  """
+  """Verifies a proposal in one target pass over K + 1 positions and commits what each row accepted."""
   target = nnx.merge(graphdef, params)
   old_len = state.cache.lengths
-  branch = lambda w: lambda: _verify_width(target, state, prop, sampling, drafter, w, k)
-  if drafter.variable_length:
-    widths = verify_widths(k)
-    need = jnp.max(jnp.where(state.active, prop.draft_lens, 0)) + 1
-    index = jnp.searchsorted(jnp.asarray(widths), need)
-    n_accepted, out, cache, taps, hidden = jax.lax.switch(index, [branch(w) for w in widths])
-  else:
-    n_accepted, out, cache, taps, hidden = branch(k + 1)()
+  block = jnp.concatenate([state.last_tokens[:, None], prop.drafts], axis=1)  # [B, K + 1]
+  hidden, cache, taps = target.forward(
+      block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32), taps=drafter.taps)
+  logits = target.logits(hidden).astype(jnp.float32)  # [B, K + 1, V]
+  n_accepted, out = verify(logits, prop.drafts, prop.draft_lens, prop.q, sampling, state.seq_ids, old_len + 1)
+  hidden = hidden if drafter.reads_hidden else None
 
   steps = jnp.arange(k + 1)
   is_eos = jnp.any(out[..., None] == eos_ids[None, None, :], axis=-1) & (steps[None, :] <= n_accepted[:, None])

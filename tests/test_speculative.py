@@ -12,7 +12,8 @@ import pytest
 import specjax
 from specjax import SpecjaxError
 from specjax.cache.paged import KVCache, PageAllocator
-from specjax.drafters import make_drafter
+from specjax.drafters import NgramDrafter, make_drafter
+from specjax.step import step_depth, verify_widths
 from conftest import TINY, TINY_SHARDED, perturbed_target
 
 PROMPTS = [
@@ -70,6 +71,25 @@ def test_ngram_sampling_is_token_identical(tiny_model):
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make('ngram', tiny_model, None))
   spec = engine.generate(PROMPTS, max_new_tokens=30, sampling=params, num_draft=3)[0]
   assert [r.tokens for r in spec] == [r.tokens for r in plain]
+
+
+def test_ngram_drafts_ahead_equal_in_step_lookup(tiny_model):
+  """Looking drafts up ahead (verify only as wide as needed) changes no token and no per-step count."""
+  params = specjax.SamplingParams(temperature=1.0, top_p=0.9, seed=2)
+  runs, compiled = [], []
+  for ahead in (True, False):
+    engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter(drafts_ahead=ahead))
+    results, _ = engine.generate(PROMPTS, max_new_tokens=30, sampling=params, num_draft=6)
+    runs.append(([r.tokens for r in results], [(r.spec.drafted, r.spec.accepted, r.spec.target_steps) for r in results]))
+    compiled.append(sorted(dict(key[2])['k'] for key in engine._executables if key[0] == 'spec'))
+  assert runs[0] == runs[1]
+  assert compiled == [[0, 1, 3, 6], [6]]  # one executable per verify width of K = 6, or K + 1 always
+
+
+def test_step_depth_rounds_up_to_a_verify_width():
+  assert verify_widths(6) == (1, 2, 4, 7)
+  assert [step_depth(6, n) for n in range(9)] == [0, 1, 3, 3, 6, 6, 6, 6, 6]
+  assert [step_depth(2, n) for n in range(4)] == [0, 1, 2, 2]
 
 
 def committed_kv(cache: KVCache, row: int, length: int, layer: int):

@@ -8,6 +8,7 @@ jitted step); its weights and state are pytrees passed in explicitly:
   propose(target, params, state, cache, ctx, k, sampling)
       -> Proposal(drafts [B, K], draft_lens [B], q [B, K, V] | None, state, cache)
   commit(params, state, ctx, n_emitted, taps, hidden) -> state
+  start(params, state, ctx) -> state        (jitted, once after the first token)
 
 `target` is the merged target module (layer-skip drafts with its first layers;
 others ignore it). `cache` is the target's KV cache: a drafter may write draft
@@ -16,6 +17,12 @@ hidden states after the layers in `drafter.taps`, from the verify pass, for
 drafters conditioned on them (EAGLE, DFlash); `hidden` is the target's
 final-normed hidden state of the prompt chunk / verify block (`[B, T, D]`,
 verify blocks padded to K + 1), for drafters with `reads_hidden` (MTP heads).
+
+Drafters whose drafts depend only on the committed tokens (n-gram) may look
+them up ahead (`drafts_ahead`): `start` and `commit` compute the next step's
+drafts for the deepest K, `propose` slices them, and `pending_lens(state)`
+[B] tells the host, with the step's outputs, how many each row has, so the
+engine runs a verify pass only as wide as the longest draft needs.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ class Drafter:
   name: str = 'drafter'
   taps: tuple[int, ...] = ()
   provides_q: bool = False  # True when propose returns q at temperature > 0
-  variable_length: bool = False  # drafts may be shorter than K (verify only what is needed)
+  drafts_ahead: bool = False  # next drafts computed at commit; the host sizes the verify pass to them
   reads_hidden: bool = False  # prefill / commit get the target's final hidden states
   max_depth: int = 16
 
@@ -85,3 +92,11 @@ class Drafter:
   def commit(self, params, state, ctx: DraftContext, n_emitted: jax.Array, taps: tuple[jax.Array, ...],
              hidden: jax.Array | None = None):
     return state
+
+  def start(self, params, state, ctx: DraftContext):
+    """Called once after the first token is sampled (drafters that draft ahead look up here)."""
+    return state
+
+  def pending_lens(self, state) -> jax.Array:
+    """[B] drafts each row has for the next step (`drafts_ahead` drafters only)."""
+    raise NotImplementedError

@@ -2,8 +2,15 @@
 
 For n from `n_max` down to `n_min`, find the most recent earlier occurrence of
 the row's last n tokens in everything it has seen (prompt and generated text)
-and propose the K tokens that followed it. No weights, no state, no q (the
-verifier uses sample-and-match, which is exact for deterministic drafts).
+and propose the K tokens that followed it. No weights, no q (the verifier uses
+sample-and-match, which is exact for deterministic drafts).
+
+Drafts depend only on the committed tokens, so by default they are looked up
+ahead: at the end of each step (and once after the first token) for the
+deepest K the engine allows, and kept in `NgramState`. A step at depth K takes
+the first K. The host reads the pending draft lengths with the step's outputs
+and runs the verify executable only as wide as the longest draft needs
+(`Drafter.drafts_ahead`), so a step without any match costs a decode step.
 """
 
 from __future__ import annotations
@@ -13,25 +20,53 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftContext, Drafter, Proposal
+from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.errors import SpecjaxError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NgramState:
+  drafts: jax.Array  # [B, max_draft] the next step's drafts, looked up ahead
+  draft_lens: jax.Array  # [B]
 
 
 @dataclasses.dataclass(frozen=True)
 class NgramDrafter(Drafter):
+  """Prompt lookup; `drafts_ahead=False` looks up inside the step and always verifies K + 1 positions."""
   n_min: int = 1
   n_max: int = 3
   name: str = 'ngram'
-  variable_length: bool = True
+  drafts_ahead: bool = True
 
   def __post_init__(self):
     if not 1 <= self.n_min <= self.n_max:
       raise SpecjaxError(f'ngram sizes need 1 <= n_min <= n_max, got n_min={self.n_min} n_max={self.n_max}')
 
-  def propose(self, target, params, state, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
+  def _lookup(self, ctx: DraftContext, k: int) -> tuple[jax.Array, jax.Array]:
     drafts, draft_lens = ngram_lookup(ctx.tokens, ctx.lengths + 1, k, self.n_min, self.n_max)
-    draft_lens = jnp.where(ctx.active, draft_lens, 0)
+    return drafts, jnp.where(ctx.active, draft_lens, 0)
+
+  def init_state(self, plan: BatchPlan):
+    if not self.drafts_ahead:
+      return ()
+    return NgramState(jnp.zeros((plan.batch, plan.max_draft), jnp.int32), jnp.zeros((plan.batch,), jnp.int32))
+
+  def start(self, params, state, ctx: DraftContext):
+    return NgramState(*self._lookup(ctx, state.drafts.shape[1])) if self.drafts_ahead else state
+
+  def pending_lens(self, state) -> jax.Array:
+    return state.draft_lens
+
+  def propose(self, target, params, state, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
+    if self.drafts_ahead:
+      drafts, draft_lens = state.drafts[:, :k], jnp.minimum(state.draft_lens, k)
+    else:
+      drafts, draft_lens = self._lookup(ctx, k)
     return Proposal(drafts, draft_lens, None, state, cache)
+
+  def commit(self, params, state, ctx: DraftContext, n_emitted, taps, hidden=None):
+    return self.start(params, state, ctx)
 
 
 def ngram_lookup(
