@@ -157,6 +157,7 @@ class TunerState:
   current: int  # candidate index last chosen on merit (-1: none yet)
   accept: np.ndarray  # [D] EMA of P(draft j accepted | drafts before it accepted); no draft: not accepted
   accept_n: np.ndarray  # [D] rows that reached each position
+  stale: np.ndarray  # [D] drafts at each position since a row last reached it (an earlier one was rejected)
   miss: float  # EMA of P(a row has no draft at all) (n-gram misses; 0 for model drafters)
   miss_n: int  # rows observed
   level: np.ndarray  # [L] EMA of the cost level per live bucket (seconds), moved by every step
@@ -175,6 +176,10 @@ class Tuner(Policy):
   counting as not accepted. A step at depth k informs positions 1..k (position
   j is reached by the rows that accepted j - 1 drafts); each reaching row is
   one EMA observation. Positions never reached copy the deepest one that was.
+  A position drafted n times since a row last reached it (an earlier draft
+  was rejected each time) is stale: it reads as a blend with the position
+  before, weight (1 - stale_rate)^n on its own estimate, and the next
+  observation outweighs it by the same factor (`acceptance`, `observe`).
   Expected tokens per row and step: E(K) = 1 + sum_{i <= K} prod_{j <= i} a_j.
 
   Time: a step in which no row has a draft (an n-gram miss) verifies one
@@ -201,6 +206,7 @@ class Tuner(Policy):
   explore_every: int = 32  # 0: never explore after warm-up
   warmup_tries: int = 3
   margin: float = 0.02
+  stale_rate: float = 0.1
   prior: float = 0.5  # acceptance assumed before any observation
   name: str = 'tuner'
 
@@ -210,10 +216,10 @@ class Tuner(Policy):
       raise SpecjaxError(f'tuner needs candidate depths >= 1, got {tuple(self.candidates)}')
     object.__setattr__(self, 'candidates', candidates)
     rates = (self.alpha, self.level_alpha, self.shape_alpha)
-    if not (all(0 < r <= 1 for r in rates) and 0 <= self.prior <= 1):
-      raise SpecjaxError(f'tuner needs 0 < alpha, level_alpha, shape_alpha <= 1 and 0 <= prior <= 1, got '
-                         f'alpha={self.alpha} level_alpha={self.level_alpha} shape_alpha={self.shape_alpha} '
-                         f'prior={self.prior}')
+    if not (all(0 < r <= 1 for r in rates) and 0 <= self.prior <= 1 and 0 <= self.stale_rate < 1):
+      raise SpecjaxError(f'tuner needs 0 < alpha, level_alpha, shape_alpha <= 1, 0 <= stale_rate < 1 and '
+                         f'0 <= prior <= 1, got alpha={self.alpha} level_alpha={self.level_alpha} '
+                         f'shape_alpha={self.shape_alpha} stale_rate={self.stale_rate} prior={self.prior}')
     if self.explore_every < 0 or self.explore_every == 1 or self.margin < 0 or self.warmup_tries < 1:
       raise SpecjaxError(f'tuner needs explore_every = 0 or >= 2, margin >= 0 and warmup_tries >= 1, got '
                          f'explore_every={self.explore_every} margin={self.margin} '
@@ -226,6 +232,7 @@ class Tuner(Policy):
         current=-1,
         accept=np.full(d, self.prior),
         accept_n=np.zeros(d, np.int64),
+        stale=np.zeros(d, np.int64),
         miss=0.0,
         miss_n=0,
         level=np.zeros(LIVE_BUCKETS),
@@ -236,11 +243,21 @@ class Tuner(Policy):
     )
 
   def acceptance(self, state: TunerState) -> np.ndarray:  # [D]
-    """Conditional acceptance per draft position; unreached positions copy the one before."""
+    """Conditional acceptance per draft position.
+
+    A position never reached copies the one before. A position that was
+    drafted n times since a row last reached it (an earlier draft was rejected
+    each time) blends its estimate with the one before by (1 - stale_rate)^n,
+    so deep positions do not keep an optimistic value after acceptance fell at
+    shallower ones. Misses (no draft at all) do not age anything.
+    """
     a = state.accept.copy()
     for j in range(len(a)):
       if not state.accept_n[j]:
         a[j] = a[j - 1] if j else self.prior
+      elif j:
+        w = (1.0 - self.stale_rate) ** state.stale[j]
+        a[j] = w * a[j] + (1.0 - w) * a[j - 1]
     return a
 
   def expected_tokens(self, state: TunerState) -> np.ndarray:  # [C]
@@ -303,10 +320,15 @@ class Tuner(Policy):
     reached = (accepted[None, :] >= depth - 1).sum(1)  # [k]
     hits = (accepted[None, :] >= depth).sum(1)
     accept, accept_n = state.accept.copy(), state.accept_n.copy()
+    fresh = (1.0 - self.stale_rate) ** state.stale  # [D] how current each estimate is
     for j in np.flatnonzero(reached):
       w = 1.0 - (1.0 - self.alpha) ** reached[j] if accept_n[j] else 1.0
+      w = w / (w + (1.0 - w) * fresh[j])  # a stale estimate gives way to new observations
       accept[j] += w * (hits[j] / reached[j] - accept[j])
     accept_n[:k] += reached
+    skipped = ((drafted[None, :] > depth - 1) & (accepted[None, :] < depth - 1)).sum(1)  # [k] drafted, not reached
+    stale = state.stale.copy()
+    stale[:k] = np.where(reached > 0, 0, stale[:k] + skipped)
     rows, misses = len(drafted), int((drafted == 0).sum())
     w = 1.0 - (1.0 - self.alpha) ** rows if state.miss_n else 1.0
     miss = state.miss + w * (misses / max(rows, 1) - state.miss)
@@ -327,7 +349,7 @@ class Tuner(Policy):
     last_tried = state.last_tried.copy()
     last_tried[b, i] = state.step
     current = state.current if self._forced(state, live) is not None else i
-    return TunerState(state.step + 1, current, accept, accept_n, miss, state.miss_n + rows, level, shape,
+    return TunerState(state.step + 1, current, accept, accept_n, stale, miss, state.miss_n + rows, level, shape,
                       shape_n, drafted_steps, last_tried)
 
 

@@ -176,7 +176,7 @@ def test_observe_returns_a_new_state():
   for k, acc in [(4, [4, 1]), (2, [0, 2])]:
     before = copy.deepcopy(state)
     new = tuner.observe(state, k, np.array(acc), 1e-3, 2)
-    for field in ('accept', 'accept_n', 'level', 'shape', 'shape_n', 'drafted_steps', 'last_tried'):
+    for field in ('accept', 'accept_n', 'stale', 'level', 'shape', 'shape_n', 'drafted_steps', 'last_tried'):
       np.testing.assert_array_equal(getattr(state, field), getattr(before, field))
     assert state.step == before.step and new.step == state.step + 1
     state = new
@@ -214,6 +214,33 @@ def test_tuner_moves_when_acceptance_shifts():
   easy = [k for k, at in zip(sim.ks, pos) if 20 < at < 280]
   hard = [k for k, at in zip(sim.ks, pos) if at > 400]
   assert mode(easy) == 8 and mode(hard) == 2
+
+
+def test_tuner_forgets_deep_positions_it_stops_reaching():
+  """Batch 1, acceptance falls: deep positions are no longer reached, so their optimistic estimates age out."""
+  p = np.r_[np.full(200, 0.95), np.full(400, 0.3)]
+  trace = bernoulli_trace(p, rows=1, length=600, seed=5)
+
+  def deep_steps_after_shift(tuner):
+    sim = simulate(tuner, trace, cost=CHEAP_VERIFY)
+    pos = np.cumsum([0] + [a + 1 for a in sim.accepted[0][:-1]])
+    return sum(k == 8 for k, at in zip(sim.ks, pos) if 200 <= at < 260)
+
+  aging, frozen = deep_steps_after_shift(Tuner(candidates_for('ngram'))), deep_steps_after_shift(
+      Tuner(candidates_for('ngram'), stale_rate=0.0))
+  assert aging < frozen
+
+
+def test_tuner_stale_positions_blend_toward_the_one_before():
+  tuner = Tuner((8,), stale_rate=0.5)
+  state = tuner.observe(tuner.init(), 8, np.array([8]), 1e-3, 1, np.array([8]))  # every position accepted once
+  assert list(state.stale) == [0] * 8
+  state = tuner.observe(state, 8, np.array([0]), 1e-3, 1, np.array([8]))  # rejected at 1: 2..8 drafted, unreached
+  assert list(state.stale) == [0] + [1] * 7
+  a = tuner.acceptance(state)
+  assert a[0] == pytest.approx(0.9) and a[1] == pytest.approx(0.5 * 1.0 + 0.5 * 0.9)
+  state = tuner.observe(state, 8, np.array([0]), 1e-3, 1, np.array([0]))  # a miss: nothing ages
+  assert list(state.stale) == [0] + [1] * 7
 
 
 def test_tuner_uses_shallower_drafts_under_load():

@@ -43,23 +43,31 @@ def draft_loop(
     first_pos: jax.Array,  # [B] absolute position of the first draft
     need_q: bool,
 ):
-  """K autoregressive draft tokens: (drafts [B, K], q [B, K, V] | None, cache)."""
+  """K autoregressive draft tokens: (drafts [B, K], q [B, K, V] | None, cache).
+
+  The K - 1 draft-and-feed steps run as one `lax.scan` (the body compiles once,
+  whatever K); the last draft is sampled after it without a forward pass.
+  """
   hidden, cache = forward(first_tokens, cache, first_lens)
   h = jnp.take_along_axis(hidden, jnp.maximum(first_lens - 1, 0)[:, None, None], axis=1)[:, 0]
   step_lens = (first_lens > 0).astype(jnp.int32)
-  drafts, qs = [], []
-  for i in range(k):
+
+  def draw(h, i):  # h [B, D] -> token [B], q [B, V] | None
     logits = logits_fn(h).astype(jnp.float32)
     keys = sampling_lib.row_keys(sampling.seed, seq_ids, first_pos + i, STREAM_SAMPLE)
-    x = sampling_lib.sample(logits, sampling, keys)
-    drafts.append(x)
-    if need_q:
-      qs.append(sampling_lib.probs(logits, sampling))
-    if i < k - 1:
-      hidden, cache = forward(x[:, None], cache, step_lens)
-      h = hidden[:, 0]
-  q = jnp.stack(qs, axis=1) if need_q else None
-  return jnp.stack(drafts, axis=1), q, cache
+    return sampling_lib.sample(logits, sampling, keys), sampling_lib.probs(logits, sampling) if need_q else None
+
+  def step(carry, i):
+    h, cache = carry
+    x, q = draw(h, i)
+    hidden, cache = forward(x[:, None], cache, step_lens)
+    return (hidden[:, 0], cache), (x, q)
+
+  (h, cache), (xs, qs) = jax.lax.scan(step, (h, cache), jnp.arange(k - 1))  # xs [K-1, B], qs [K-1, B, V]
+  x, q = draw(h, k - 1)
+  drafts = jnp.concatenate([xs.T, x[:, None]], axis=1)
+  q = jnp.concatenate([jnp.moveaxis(qs, 0, 1), q[:, None]], axis=1) if need_q else None
+  return drafts, q, cache
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
