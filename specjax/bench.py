@@ -10,7 +10,7 @@ measured costs:
 
 where T_decode is one autoregressive step, T_draft(K) the drafter's propose for
 K tokens (for drafters that draft ahead, the lookup they run at commit) and
-T_verify(K) the target pass over K + 1 tokens, each timed alone (`calibrate`).
+T_verify(K) the target pass over K + 1 tokens, each timed alone (`calibrate`, median of 7 calls).
 Drafters that draft ahead verify only as wide as their drafts need, so steps
 without drafts cost a decode step and measured / predicted can exceed 1. measured / predicted < 1 is the framework's own overhead.
 """
@@ -113,17 +113,21 @@ def _verify_cost(graphdef, k, params, state):
   return jnp.argmax(model.logits(hidden), -1), dataclasses.replace(state, cache=cache)
 
 
-def _time(fn, state, repeats: int = 5) -> tuple[float, object]:
-  """Best time of `fn(state) -> (out, state)` over repeats (after one warm-up)."""
+def _time(fn, state, repeats: int = 7) -> tuple[float, object]:
+  """Median time of `fn(state) -> (out, state)` over repeats (after one warm-up).
+
+  The median, not the best: the measured runs pay this machine's typical step
+  time, and a best-of would make every prediction optimistic.
+  """
   out, state = fn(state)
   jax.block_until_ready(out)
-  best = float('inf')
+  times = []
   for _ in range(repeats):
     t = time.perf_counter()
     out, state = fn(state)
     jax.block_until_ready(out)
-    best = min(best, time.perf_counter() - t)
-  return best, state
+    times.append(time.perf_counter() - t)
+  return float(np.median(times)), state
 
 
 def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParams = SamplingParams()) -> dict:
