@@ -10,9 +10,10 @@ measured costs:
 
 where T_decode is one autoregressive step, T_draft(K) the drafter's propose for
 K tokens (for drafters that draft ahead, the lookup they run at commit) and
-T_verify(K) the target pass over K + 1 tokens, each timed alone (`calibrate`, median of 7 calls).
-Drafters that draft ahead verify only as wide as their drafts need, so steps
-without drafts cost a decode step and measured / predicted can exceed 1. measured / predicted < 1 is the framework's own overhead.
+T_verify(K) the target pass over K + 1 tokens, each timed alone (`calibrate`,
+median of 7 calls). measured / predicted < 1 is the framework's own overhead.
+Drafters that draft ahead verify only as wide as their drafts need, so their
+steps without drafts cost a decode step and the ratio can exceed 1.
 """
 
 from __future__ import annotations
