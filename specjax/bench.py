@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.drafters.base import DraftContext
 from specjax.engine import Engine
 from specjax.errors import SpecjaxError
 from specjax.metrics import SpecMetrics
 from specjax.sampling import SamplingParams
+from specjax.step import draft_context
 
 SPEC_BENCH = os.path.join('..', 'shared', 'data', 'spec_bench', 'question.jsonl')
 
@@ -97,7 +97,7 @@ def _decode_cost(graphdef, params, state):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
 def _draft_cost(graphdef, drafter, k, sampling, params, dparams, state):
-  ctx = DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
+  ctx = draft_context(state)
   dstate = drafter.start(dparams, state.drafter, ctx) if drafter.drafts_ahead else state.drafter  # the lookup
   prop = drafter.propose(nnx.merge(graphdef, params), dparams, dstate, state.cache, ctx, k, sampling)
   cache = dataclasses.replace(prop.cache, lengths=state.cache.lengths)

@@ -22,10 +22,10 @@ from flax import nnx
 
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache, PageAllocator
-from specjax.drafters.base import BatchPlan, DraftContext, Drafter
+from specjax.drafters.base import BatchPlan, Drafter
 from specjax.metrics import SpecMetrics
 from specjax.policies import Fixed, Policy
-from specjax.step import propose_phase, spec_step, step_depth, verify_phase, verify_widths, write_tokens
+from specjax.step import draft_context, propose_phase, spec_step, step_depth, verify_phase, verify_widths, write_tokens
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.models.base import Model
 from specjax.sampling import SamplingParams
@@ -116,8 +116,7 @@ def _start(graphdef, params, state, last_hidden, eos_ids, sampling):
 
 
 def _drafter_start(graphdef, params, dparams, state, drafter):
-  ctx = DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
-  return dataclasses.replace(state, drafter=drafter.start(dparams, state.drafter, ctx))
+  return dataclasses.replace(state, drafter=drafter.start(dparams, state.drafter, draft_context(state)))
 
 
 def _decode_step(graphdef, params, state, eos_ids, sampling):

@@ -73,10 +73,9 @@ ACCEPT, REJECT, UNKNOWN, NONE = 1, 0, -1, -2
 
 
 def verified_width(k: int, drafted: np.ndarray) -> int:
-  """Positions a verify pass at depth K runs for these rows' draft counts (`step.verify_phase`)."""
-  from specjax.step import verify_widths  # pylint: disable=g-import-not-at-top
-  widths = verify_widths(k)
-  return widths[int(np.searchsorted(widths, int(np.max(drafted)) + 1))]
+  """Positions a verify pass at depth K runs for these rows' draft counts (`step.step_depth`)."""
+  from specjax.step import step_depth  # pylint: disable=g-import-not-at-top
+  return step_depth(k, int(np.max(drafted))) + 1
 
 
 class Policy:

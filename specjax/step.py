@@ -37,11 +37,15 @@ def write_tokens(
   return buffer.at[jnp.arange(buffer.shape[0])[:, None], idx].set(tokens, mode='drop')
 
 
+def draft_context(state) -> DraftContext:
+  """What a drafter sees of a decode state."""
+  return DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
+
+
 def propose_phase(graphdef, params, dparams, state, *, drafter, k: int, sampling):
   """Drafts K tokens per row; returns (state, proposal) with the drafter's cache writes in state."""
   target = nnx.merge(graphdef, params)
-  ctx = DraftContext(state.tokens, state.cache.lengths, state.last_tokens, state.active, state.seq_ids)
-  prop = drafter.propose(target, dparams, state.drafter, state.cache, ctx, k, sampling)
+  prop = drafter.propose(target, dparams, state.drafter, state.cache, draft_context(state), k, sampling)
   return dataclasses.replace(state, cache=prop.cache, drafter=prop.state), prop
 
 
