@@ -377,7 +377,7 @@ class Engine:
     exec_depths = sorted({w - 1 for d in depths for w in verify_widths(d)}) if ahead else depths
     steps = {d: self._step_fn(d if policy else None, sampling, state, eos_ids)
              for d in exec_depths}  # compiled before the decode clock
-    pstate = (policy.init() if policy_state is None else policy_state) if policy else None
+    pstate = policy.begin(policy.init() if policy_state is None else policy_state, n) if policy else None
     pending = self.drafter.pending_lens(state.drafter) if ahead else None
     tokens, active, pending = jax.device_get((state.last_tokens, state.active, pending))
     stats.prefill_s = time.perf_counter() - t0

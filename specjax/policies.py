@@ -4,6 +4,7 @@ A policy is a static description plus an explicit state (host-side, plain
 Python/numpy), so the trace-replay simulator can drive it without a model:
 
   state = policy.init()
+  state = policy.begin(state, rows)                 # a new batch of `rows` sequences starts
   k = policy.choose(state, live)                    # live: sequences still decoding
   state = policy.observe(state, k, accepted, step_s, live, drafted)
 
@@ -85,6 +86,10 @@ class Policy:
   def init(self) -> Any:
     return ()
 
+  def begin(self, state: Any, rows: int) -> Any:
+    """A new batch of `rows` sequences starts (its text may differ from the last one's)."""
+    return state
+
   def choose(self, state: Any, live: int) -> int:
     raise NotImplementedError
 
@@ -156,9 +161,11 @@ class TunerState:
   current: int  # candidate index last chosen on merit (-1: none yet)
   accept: np.ndarray  # [D] EMA of P(draft j accepted | drafts before it accepted); no draft: not accepted
   accept_n: np.ndarray  # [D] rows that reached each position
+  batch_n: np.ndarray  # [D] rows that reached each position since the batch began
   stale: np.ndarray  # [D] drafts at each position since a row last reached it (an earlier one was rejected)
   miss: float  # EMA of P(a row has no draft at all) (n-gram misses; 0 for model drafters)
   miss_n: int  # rows observed
+  batch_rows: int  # rows observed since the batch began
   level: np.ndarray  # [L] EMA of the cost level per live bucket (seconds), moved by every step
   shape: np.ndarray  # [L, 1 + C] step seconds / level: column 0 a step without drafts, 1 + i candidate i
   shape_n: np.ndarray  # [L, 1 + C] steps measured
@@ -179,6 +186,10 @@ class Tuner(Policy):
   was rejected each time) is stale: it reads as a blend with the position
   before, weight (1 - stale_rate)^n on its own estimate, and the next
   observation outweighs it by the same factor (`acceptance`, `observe`).
+  Acceptance belongs to the text, so a new batch (`begin`) weighs its own
+  observations more: the estimates carried in count as `carry` observations,
+  and the n-th observation of a position in the batch moves it by
+  max(alpha, 1 / (carry + n)) (likewise the miss rate, per row).
   Expected tokens per row and step: E(K) = 1 + sum_{i <= K} prod_{j <= i} a_j.
 
   Time: a step in which no row has a draft (an n-gram miss) verifies one
@@ -206,6 +217,7 @@ class Tuner(Policy):
   warmup_tries: int = 3
   margin: float = 0.02
   stale_rate: float = 0.1
+  carry: float = 4.0  # observations the estimates carried into a new batch count as
   prior: float = 0.5  # acceptance assumed before any observation
   name: str = 'tuner'
 
@@ -215,10 +227,12 @@ class Tuner(Policy):
       raise SpecjaxError(f'tuner needs candidate depths >= 1, got {tuple(self.candidates)}')
     object.__setattr__(self, 'candidates', candidates)
     rates = (self.alpha, self.level_alpha, self.shape_alpha)
-    if not (all(0 < r <= 1 for r in rates) and 0 <= self.prior <= 1 and 0 <= self.stale_rate < 1):
-      raise SpecjaxError(f'tuner needs 0 < alpha, level_alpha, shape_alpha <= 1, 0 <= stale_rate < 1 and '
-                         f'0 <= prior <= 1, got alpha={self.alpha} level_alpha={self.level_alpha} '
-                         f'shape_alpha={self.shape_alpha} stale_rate={self.stale_rate} prior={self.prior}')
+    if not (all(0 < r <= 1 for r in rates) and 0 <= self.prior <= 1 and 0 <= self.stale_rate < 1
+            and self.carry >= 0):
+      raise SpecjaxError(f'tuner needs 0 < alpha, level_alpha, shape_alpha <= 1, 0 <= stale_rate < 1, '
+                         f'carry >= 0 and 0 <= prior <= 1, got alpha={self.alpha} level_alpha={self.level_alpha} '
+                         f'shape_alpha={self.shape_alpha} stale_rate={self.stale_rate} carry={self.carry} '
+                         f'prior={self.prior}')
     if self.explore_every < 0 or self.explore_every == 1 or self.margin < 0 or self.warmup_tries < 1:
       raise SpecjaxError(f'tuner needs explore_every = 0 or >= 2, margin >= 0 and warmup_tries >= 1, got '
                          f'explore_every={self.explore_every} margin={self.margin} '
@@ -231,15 +245,25 @@ class Tuner(Policy):
         current=-1,
         accept=np.full(d, self.prior),
         accept_n=np.zeros(d, np.int64),
+        batch_n=np.zeros(d, np.int64),
         stale=np.zeros(d, np.int64),
         miss=0.0,
         miss_n=0,
+        batch_rows=0,
         level=np.zeros(LIVE_BUCKETS),
         shape=np.zeros((LIVE_BUCKETS, 1 + c)),
         shape_n=np.zeros((LIVE_BUCKETS, 1 + c), np.int64),
         drafted_steps=np.zeros(c, np.int64),
         last_tried=np.full((LIVE_BUCKETS, c), -1, np.int64),
     )
+
+  def begin(self, state: TunerState, rows: int) -> TunerState:
+    return dataclasses.replace(state, batch_n=np.zeros_like(state.batch_n), batch_rows=0)
+
+  def _weight(self, seen: int, in_batch: np.ndarray | int, new: np.ndarray | int):
+    """EMA weight of `new` observations, `in_batch` already seen in this batch (`seen` ever: 0 -> 1)."""
+    one = np.maximum(self.alpha, 1.0 / (self.carry + in_batch + 1.0))
+    return 1.0 - (1.0 - one) ** new if seen else 1.0
 
   def acceptance(self, state: TunerState) -> np.ndarray:  # [D]
     """Conditional acceptance per draft position.
@@ -321,15 +345,17 @@ class Tuner(Policy):
     accept, accept_n = state.accept.copy(), state.accept_n.copy()
     fresh = (1.0 - self.stale_rate) ** state.stale  # [D] how current each estimate is
     for j in np.flatnonzero(reached):
-      w = 1.0 - (1.0 - self.alpha) ** reached[j] if accept_n[j] else 1.0
+      w = self._weight(accept_n[j], state.batch_n[j], reached[j])
       w = w / (w + (1.0 - w) * fresh[j])  # a stale estimate gives way to new observations
       accept[j] += w * (hits[j] / reached[j] - accept[j])
     accept_n[:k] += reached
+    batch_n = state.batch_n.copy()
+    batch_n[:k] += reached
     skipped = ((drafted[None, :] > depth - 1) & (accepted[None, :] < depth - 1)).sum(1)  # [k] drafted, not reached
     stale = state.stale.copy()
     stale[:k] = np.where(reached > 0, 0, stale[:k] + skipped)
     rows, misses = len(drafted), int((drafted == 0).sum())
-    w = 1.0 - (1.0 - self.alpha) ** rows if state.miss_n else 1.0
+    w = self._weight(state.miss_n, state.batch_rows, rows)
     miss = state.miss + w * (misses / max(rows, 1) - state.miss)
     level, shape, shape_n = state.level.copy(), state.shape.copy(), state.shape_n.copy()
     kind = 0 if misses == rows else 1 + i  # a step without any draft, or a step of candidate i
@@ -348,8 +374,8 @@ class Tuner(Policy):
     last_tried = state.last_tried.copy()
     last_tried[b, i] = state.step
     current = state.current if self._forced(state, live) is not None else i
-    return TunerState(state.step + 1, current, accept, accept_n, stale, miss, state.miss_n + rows, level, shape,
-                      shape_n, drafted_steps, last_tried)
+    return TunerState(state.step + 1, current, accept, accept_n, batch_n, stale, miss, state.miss_n + rows,
+                      state.batch_rows + rows, level, shape, shape_n, drafted_steps, last_tried)
 
 
 # ---------------------------------------------------------------- construction
@@ -621,6 +647,7 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
     rows = range(start, min(start + batch, n))
     pos = [0] * n
     state = policy.init() if state is None or start else state
+    state = policy.begin(state, len(rows))
     while True:
       live_rows = [i for i in rows if pos[i] < trace.lengths[i]]
       if not live_rows:

@@ -132,10 +132,16 @@ def test_tuner_estimates_from_observed_positions():
   a1, a2 = 3 / 4, 2 / 3
   want = [1 + a1 + a1 * a2, 1 + a1 + a1 * a2 + a1 * a2 ** 2 + a1 * a2 ** 3]
   np.testing.assert_allclose(tuner.expected_tokens(state), want)
-  # Later observations move the estimate by the EMA weight of each reaching row.
+  # Later observations move the estimate by the weight of each reaching row: 1 / (carry + n) for the n-th
+  # of the batch, never less than alpha.
   state = tuner.observe(state, 4, np.array([0]), 1e-3, 1)
-  w = 1 - (1 - tuner.alpha)
+  w = 1 / (tuner.carry + 5)
   np.testing.assert_allclose(tuner.acceptance(state)[0], a1 + w * (0 - a1))
+  for _ in range(20):
+    state = tuner.observe(state, 4, np.array([4]), 1e-3, 1)
+  a = tuner.acceptance(state)[0]
+  state = tuner.observe(state, 4, np.array([0]), 1e-3, 1)
+  np.testing.assert_allclose(tuner.acceptance(state)[0], a + tuner.alpha * (0 - a))
 
 
 def test_tuner_step_times_follow_the_level_and_live():
@@ -161,9 +167,9 @@ def test_tuner_prices_misses_as_decode_steps():
   state = tuner.init()
   for k, drafted, seconds in [(8, 0, 1.0), (8, 8, 2.6), (4, 4, 1.8), (2, 0, 1.0), (2, 2, 1.4)]:
     state = tuner.observe(state, k, np.array([0]), seconds, 1, np.array([drafted]))
-  want_miss = 1.0  # EMA over miss, drafted, drafted, miss, drafted (the first sets it)
-  for m in (0, 0, 1, 0):
-    want_miss += 0.1 * (m - want_miss)
+  want_miss = 1.0  # EMA over miss, drafted, drafted, miss, drafted (the first sets it), n-th weighs 1 / (4 + n)
+  for n, m in enumerate((0, 0, 1, 0), 2):
+    want_miss += 1 / (tuner.carry + n) * (m - want_miss)
   assert state.miss == pytest.approx(want_miss)
   times = tuner.step_times(state, 1)
   drafts_only = np.array([1.4, 1.8, 2.2, 2.6])
@@ -176,7 +182,7 @@ def test_observe_returns_a_new_state():
   for k, acc in [(4, [4, 1]), (2, [0, 2])]:
     before = copy.deepcopy(state)
     new = tuner.observe(state, k, np.array(acc), 1e-3, 2)
-    for field in ('accept', 'accept_n', 'stale', 'level', 'shape', 'shape_n', 'drafted_steps', 'last_tried'):
+    for field in ('accept', 'accept_n', 'batch_n', 'stale', 'level', 'shape', 'shape_n', 'drafted_steps', 'last_tried'):
       np.testing.assert_array_equal(getattr(state, field), getattr(before, field))
     assert state.step == before.step and new.step == state.step + 1
     state = new
@@ -231,14 +237,44 @@ def test_tuner_forgets_deep_positions_it_stops_reaching():
   assert aging < frozen
 
 
+def runs_trace(p_first: float, p_next: float, length: int, seed: int) -> Trace:
+  """One row whose drafts come in runs: ACCEPT with p_next after an ACCEPT, else with p_first."""
+  draws = np.random.default_rng(seed).random(length)
+  outcomes, accepted = np.zeros(length, np.int8), False
+  for i, u in enumerate(draws):
+    accepted = u < (p_next if accepted else p_first)
+    outcomes[i] = accepted
+  return Trace([outcomes], [length])
+
+
+def test_tuner_weighs_a_new_batch_more():
+  """Requests in turn, state carried: after text with long runs, the next request leaves deep K sooner."""
+  cost = lambda k, live: 1e-3 * (1 + 0.16 * k)  # width 9 ~2.3x a decode step, as on the CPU
+
+  def deep_steps(tuner):
+    n = 0
+    for seed in range(8):
+      state = simulate(tuner, runs_trace(0.35, 0.9, 300, seed), cost=cost).state
+      sim = simulate(tuner, runs_trace(0.3, 0.6, 100, seed + 50), cost=cost, state=state)
+      n += sum(k >= 6 for k in sim.ks[:20])
+    return n
+
+  assert deep_steps(Tuner(candidates_for('ngram'))) < 0.8 * deep_steps(Tuner(candidates_for('ngram'), carry=9))
+  tuner = Tuner((2, 4))
+  state = tuner.observe(tuner.init(), 4, np.array([4]), 1e-3, 1)
+  assert list(state.batch_n) == [1] * 4 and state.batch_rows == 1
+  state = tuner.begin(state, 1)
+  assert list(state.batch_n) == [0] * 4 and state.batch_rows == 0 and list(state.accept_n) == [1] * 4
+
+
 def test_tuner_stale_positions_blend_toward_the_one_before():
   tuner = Tuner((8,), stale_rate=0.5)
   state = tuner.observe(tuner.init(), 8, np.array([8]), 1e-3, 1, np.array([8]))  # every position accepted once
   assert list(state.stale) == [0] * 8
   state = tuner.observe(state, 8, np.array([0]), 1e-3, 1, np.array([8]))  # rejected at 1: 2..8 drafted, unreached
   assert list(state.stale) == [0] + [1] * 7
-  a = tuner.acceptance(state)
-  assert a[0] == pytest.approx(0.9) and a[1] == pytest.approx(0.5 * 1.0 + 0.5 * 0.9)
+  a, a0 = tuner.acceptance(state), 1 - 1 / (tuner.carry + 2)  # the batch's second observation
+  assert a[0] == pytest.approx(a0) and a[1] == pytest.approx(0.5 * 1.0 + 0.5 * a0)
   state = tuner.observe(state, 8, np.array([0]), 1e-3, 1, np.array([0]))  # a miss: nothing ages
   assert list(state.stale) == [0] + [1] * 7
 
