@@ -4,14 +4,18 @@ For each prompt the engine decodes autoregressively and then speculatively at
 each draft depth, batch 1, greedy by default. Per category the table reports
 tau, acceptance rate, decode tokens/s, the measured speedup over
 autoregressive, and the speedup predicted from the measured acceptance and the
-measured costs:
+measured costs. Per prompt p, with n_p decode tokens and s_p target steps:
 
-  predicted = tau * T_decode / (T_draft(K) + T_verify(K))
+  predicted = (sum_p n_p / sum_p s_p * (T_draft_p(K) + T_verify_p(K)))
+              / (sum_p n_p / sum_p n_p * T_decode_p)
 
-where T_decode is one autoregressive step, T_draft(K) the drafter's propose for
-K tokens (for drafters that draft ahead, the lookup they run at commit) and
-T_verify(K) the target pass over K + 1 tokens, each timed alone (`calibrate`,
-median of 7 calls). measured / predicted < 1 is the framework's own overhead.
+i.e. tau * T_decode / (T_draft + T_verify) for one prompt, where T_decode is
+one autoregressive step, T_draft(K) the drafter's propose for K tokens (for
+drafters that draft ahead, the lookup they run at commit) and T_verify(K) the
+target pass over K + 1 tokens, each timed alone right after the prompt's runs,
+at the context halfway through its output (`calibrate`: 7 interleaved rounds
+of the three calls, the median of each). measured / predicted < 1 is the
+framework's own overhead.
 Drafters that draft ahead verify only as wide as their drafts need, so their
 steps without drafts cost a decode step and the ratio can exceed 1.
 """
@@ -114,21 +118,22 @@ def _verify_cost(graphdef, k, params, state):
   return jnp.argmax(model.logits(hidden), -1), dataclasses.replace(state, cache=cache)
 
 
-def _time(fn, state, repeats: int = 7) -> tuple[float, object]:
-  """Median time of `fn(state) -> (out, state)` over repeats (after one warm-up).
+def _time_rounds(fns: dict, state, repeats: int = 7) -> tuple[dict[str, float], object]:
+  """Median time of each `fn(state) -> (out, state)`, run in `repeats` interleaved rounds (after a warm-up).
 
-  The median, not the best: the measured runs pay this machine's typical step
-  time, and a best-of would make every prediction optimistic.
+  Interleaved, so the ratios of the costs do not drift with the machine's
+  load; the median, not the best: the measured runs pay this machine's
+  typical step time, and a best-of would make every prediction optimistic.
   """
-  out, state = fn(state)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    out, state = fn(state)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - t)
-  return float(np.median(times)), state
+  times = {name: [] for name in fns}
+  for r in range(repeats + 1):
+    for name, fn in fns.items():
+      t = time.perf_counter()
+      out, state = fn(state)
+      jax.block_until_ready(out)
+      if r:
+        times[name].append(time.perf_counter() - t)
+  return {name: float(np.median(v)) for name, v in times.items()}, state
 
 
 def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParams = SamplingParams()) -> dict:
@@ -137,10 +142,12 @@ def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParam
   state = engine.prefill([prompt], 64, sampling, eos)
   graphdef, params, drafter = engine.model.graphdef, engine.model.params, engine.drafter
   dparams = drafter.params()
-  decode_s, state = _time(lambda st: _decode_cost(graphdef, params, st), state)
-  verify_s, state = _time(lambda st: _verify_cost(graphdef, k, params, st), state)
-  draft_s, state = _time(lambda st: _draft_cost(graphdef, drafter, k, sampling, params, dparams, st), state)
-  return {'decode_s': decode_s, 'draft_s': draft_s, 'verify_s': verify_s}
+  costs, _ = _time_rounds({
+      'decode_s': lambda st: _decode_cost(graphdef, params, st),
+      'verify_s': lambda st: _verify_cost(graphdef, k, params, st),
+      'draft_s': lambda st: _draft_cost(graphdef, drafter, k, sampling, params, dparams, st),
+  }, state)
+  return costs
 
 
 @dataclasses.dataclass
@@ -149,11 +156,16 @@ class Cell:
   k: int  # 0 = autoregressive
   tokens: int = 0
   decode_s: float = 0.0
+  model_s: float = 0.0  # the decode time the calibrated costs predict for the same steps
   metrics: SpecMetrics | None = None
 
   @property
   def tokens_per_s(self) -> float:
     return self.tokens / self.decode_s if self.decode_s else 0.0
+
+  @property
+  def model_tokens_per_s(self) -> float:
+    return self.tokens / self.model_s if self.model_s else 0.0
 
 
 def run_bench(engine: Engine, prompts: list[Prompt], depths: list[int], *, max_new_tokens: int = 64,
@@ -168,35 +180,38 @@ def run_bench(engine: Engine, prompts: list[Prompt], depths: list[int], *, max_n
   for k in depths:
     engine.generate([ids[0]], max_new_tokens=4, num_draft=k, sampling=sampling)
   cells: dict[tuple[str, int], Cell] = {}
+  calib: dict[tuple[str, int], dict] = {}
   outputs_equal = True
   for n, (prompt, p_ids) in enumerate(zip(prompts, ids)):
-    reference = None
+    runs = {}
     for k in [0] + list(depths):
       results, stats = engine.generate([p_ids], max_new_tokens=max_new_tokens, num_draft=k, sampling=sampling)
-      r = results[0]
-      if k == 0:
-        reference = r.tokens
-      elif sampling.is_greedy and r.tokens != reference:
+      runs[k] = (results[0], stats)
+      if k and sampling.is_greedy and results[0].tokens != runs[0][0].tokens:
         outputs_equal = False
+      if progress:
+        progress(n, len(prompts), prompt, k, stats)
+    # Costs right after the prompt's runs, at the context halfway through its autoregressive output.
+    ar_tokens = runs[0][0].tokens
+    context = list(p_ids) + list(ar_tokens[:len(ar_tokens) // 2])
+    costs = {k: calibrate(engine, context, k, sampling) for k in depths}
+    calib.update({(prompt.id, k): c for k, c in costs.items()})
+    decode_s = float(np.median([c['decode_s'] for c in costs.values()]))
+    for k, (r, stats) in runs.items():
+      steps = len(r.tokens) - 1 if k == 0 else r.spec.target_steps
+      step_s = decode_s if k == 0 else costs[k]['draft_s'] + costs[k]['verify_s']
       for cat in (prompt.category, 'all'):
         cell = cells.setdefault((cat, k), Cell(cat, k, metrics=SpecMetrics(k=k) if k else None))
         cell.tokens += len(r.tokens) - 1  # tokens after the first, over decode time
         cell.decode_s += stats.decode_s
+        cell.model_s += steps * step_s
         if k:
           cell.metrics = cell.metrics.merge(r.spec)
-      if progress:
-        progress(n, len(prompts), prompt, k, stats)
-  # Costs per category, measured at the context of its first prompt.
-  first = {}
-  for prompt, p_ids in zip(prompts, ids):
-    first.setdefault(prompt.category, p_ids)
-  first['all'] = sorted(ids, key=len)[len(ids) // 2]
-  calib = {(cat, k): calibrate(engine, p_ids, k, sampling) for cat, p_ids in first.items() for k in depths}
   return {'cells': cells, 'calibration': calib, 'outputs_equal': outputs_equal}
 
 
 def table(report: dict, drafter: str) -> list[dict]:
-  cells, calib = report['cells'], report['calibration']
+  cells = report['cells']
   rows = []
   categories = sorted({c for c, _ in cells}, key=lambda c: (c == 'all', c))
   for cat in categories:
@@ -204,8 +219,7 @@ def table(report: dict, drafter: str) -> list[dict]:
     for (c, k), cell in sorted(cells.items()):
       if c != cat or k == 0:
         continue
-      cost = calib[(cat, k)]
-      predicted = cell.metrics.tau * cost['decode_s'] / (cost['draft_s'] + cost['verify_s'])
+      predicted = cell.model_tokens_per_s / ar.model_tokens_per_s if ar.model_tokens_per_s else 0.0
       speedup = cell.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0
       rows.append({
           'category': cat, 'drafter': drafter, 'k': k, 'tau': cell.metrics.tau,

@@ -196,7 +196,7 @@ def cmd_bench(args) -> int:
                            progress=None if args.quiet else progress)
   rows = bench.table(report, engine.drafter.name)
   if args.json:
-    calibration = {f'{cat}/K={k}': v for (cat, k), v in report['calibration'].items()}
+    calibration = {f'{prompt_id}/K={k}': v for (prompt_id, k), v in report['calibration'].items()}
     print(json.dumps({'rows': rows, 'calibration': calibration,
                       'greedy_outputs_equal': report['outputs_equal'], 'model': model.source}))
   else:

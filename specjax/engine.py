@@ -386,8 +386,10 @@ class Engine:
     t0 = time.perf_counter()
     while active[:n].any():
       live = int(active[:n].sum())
-      k_step = policy.choose(pstate, live) if policy else 0
-      k_exec = step_depth(k_step, int(pending.max())) if ahead else k_step
+      rows = np.flatnonzero(active[:n])
+      k_step = policy.choose(pstate, live, pending[rows] if ahead else None) if policy else 0
+      before = pending
+      k_exec = step_depth(k_step, int(pending[rows].max())) if ahead else k_step
       t_step = time.perf_counter()
       state, out = steps[k_exec](state)
       pending = self.drafter.pending_lens(state.drafter) if ahead else None
@@ -395,7 +397,6 @@ class Engine:
       step_s = time.perf_counter() - t_step
       stats.decode_steps += 1
       stats.steps.append((k_step, step_s, live))
-      rows = np.flatnonzero(active[:n])
       if k_step == 0:
         tokens, now_active = out
         for i in rows:
@@ -404,10 +405,10 @@ class Engine:
         tokens, emitted, accepted, drafted, now_active = out
         for i in rows:
           emit(i, tokens[i, :emitted[i]])
-          spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]))
+          spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]), int(before[i]) if ahead else None)
           spec[i].draft_s += self.phase_s[0] if self.profile else 0.0
           spec[i].verify_s += self.phase_s[1] if self.profile else 0.0
-        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live, drafted[rows])
+        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live, drafted[rows], k_exec + 1)
       active = now_active
     stats.decode_s = time.perf_counter() - t0
     stats.policy_state = pstate

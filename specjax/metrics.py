@@ -24,6 +24,7 @@ class SpecMetrics:
   drafted_at: np.ndarray = None  # [K] steps that had a valid draft i
   accepted_per_step: list[int] = dataclasses.field(default_factory=list)
   drafted_per_step: list[int] = dataclasses.field(default_factory=list)
+  pending_per_step: list[int] = dataclasses.field(default_factory=list)  # drafts known ahead, before each step
   draft_s: float = 0.0
   verify_s: float = 0.0
   total_s: float = 0.0
@@ -33,7 +34,7 @@ class SpecMetrics:
       self.accepted_at = np.zeros(self.k, np.int64)
       self.drafted_at = np.zeros(self.k, np.int64)
 
-  def record(self, accepted: int, drafted: int, emitted: int) -> None:
+  def record(self, accepted: int, drafted: int, emitted: int, pending: int | None = None) -> None:
     self.target_steps += 1
     self.accepted += accepted
     self.drafted += drafted
@@ -42,6 +43,8 @@ class SpecMetrics:
     self.drafted_at[:drafted] += 1
     self.accepted_per_step.append(accepted)
     self.drafted_per_step.append(drafted)
+    if pending is not None:
+      self.pending_per_step.append(pending)
 
   def merge(self, other: SpecMetrics) -> SpecMetrics:
     out = SpecMetrics(k=max(self.k, other.k))
@@ -54,6 +57,7 @@ class SpecMetrics:
       out.drafted_at[:m.k] += m.drafted_at
       out.accepted_per_step += m.accepted_per_step
       out.drafted_per_step += m.drafted_per_step
+      out.pending_per_step += m.pending_per_step
       out.draft_s += m.draft_s
       out.verify_s += m.verify_s
       out.total_s += m.total_s

@@ -5,12 +5,14 @@ Python/numpy), so the trace-replay simulator can drive it without a model:
 
   state = policy.init()
   state = policy.begin(state, rows)                 # a new batch of `rows` sequences starts
-  k = policy.choose(state, live)                    # live: sequences still decoding
-  state = policy.observe(state, k, accepted, step_s, live, drafted)
+  k = policy.choose(state, live, pending)           # live: sequences still decoding
+  state = policy.observe(state, k, accepted, step_s, live, drafted, width)
 
-`accepted` holds the drafts each live sequence accepted in the step and
-`drafted` how many it drafted (fewer than K when an n-gram match runs short;
-None: K). Every K a
+`pending` holds each live sequence's draft length when the drafter drafted
+ahead (`Drafter.drafts_ahead`: the host knows it before the step; else None),
+`accepted` the drafts each accepted in the step, `drafted` how many it
+drafted (fewer than K when an n-gram match runs short; None: K) and `width`
+the positions the verify pass ran (`step.step_depth`; None: K + 1). Every K a
 policy may return is in `policy.candidates`, so each is compiled once.
 `observe` returns a new state; it never changes its input.
 
@@ -90,11 +92,11 @@ class Policy:
     """A new batch of `rows` sequences starts (its text may differ from the last one's)."""
     return state
 
-  def choose(self, state: Any, live: int) -> int:
+  def choose(self, state: Any, live: int, pending: np.ndarray | None = None) -> int:
     raise NotImplementedError
 
   def observe(self, state: Any, k: int, accepted: np.ndarray, step_s: float, live: int,
-              drafted: np.ndarray | None = None) -> Any:
+              drafted: np.ndarray | None = None, width: int | None = None) -> Any:
     return state
 
 
@@ -111,7 +113,7 @@ class Fixed(Policy):
   def candidates(self) -> tuple[int, ...]:
     return (self.k,)
 
-  def choose(self, state, live: int) -> int:
+  def choose(self, state, live: int, pending=None) -> int:
     return self.k
 
 
@@ -132,7 +134,7 @@ class Load(Policy):
   def candidates(self) -> tuple[int, ...]:
     return tuple(sorted({min(self.reduced, self.full), self.full}))
 
-  def choose(self, state, live: int) -> int:
+  def choose(self, state, live: int, pending=None) -> int:
     return self.full if live <= self.threshold else min(self.reduced, self.full)
 
 
@@ -162,13 +164,10 @@ class TunerState:
   accept: np.ndarray  # [D] EMA of P(draft j accepted | drafts before it accepted); no draft: not accepted
   accept_n: np.ndarray  # [D] rows that reached each position
   batch_n: np.ndarray  # [D] rows that reached each position since the batch began
-  stale: np.ndarray  # [D] drafts at each position since a row last reached it (an earlier one was rejected)
-  miss: float  # EMA of P(a row has no draft at all) (n-gram misses; 0 for model drafters)
-  miss_n: int  # rows observed
-  batch_rows: int  # rows observed since the batch began
+  stale: np.ndarray  # [D] rows whose step ended next to each position without observing it, since one did
   level: np.ndarray  # [L] EMA of the cost level per live bucket (seconds), moved by every step
-  shape: np.ndarray  # [L, 1 + C] step seconds / level: column 0 a step without drafts, 1 + i candidate i
-  shape_n: np.ndarray  # [L, 1 + C] steps measured
+  shape: np.ndarray  # [L, D + 1] step seconds / level per verified width 1 .. D + 1
+  shape_n: np.ndarray  # [L, D + 1] steps measured
   drafted_steps: np.ndarray  # [C] steps with drafts each candidate ran
   last_tried: np.ndarray  # [L, C] step at which each candidate last ran (-1: never)
 
@@ -182,25 +181,30 @@ class Tuner(Policy):
   counting as not accepted. A step at depth k informs positions 1..k (position
   j is reached by the rows that accepted j - 1 drafts); each reaching row is
   one EMA observation. Positions never reached copy the deepest one that was.
-  A position drafted n times since a row last reached it (an earlier draft
-  was rejected each time) is stale: it reads as a blend with the position
-  before, weight (1 - stale_rate)^n on its own estimate, and the next
-  observation outweighs it by the same factor (`acceptance`, `observe`).
+  A position goes stale each time a row's step ends without observing it:
+  drafted but not reached (an earlier draft was rejected) or not drafted
+  because every draft of a shallower step was accepted. After n such rows
+  since one observed it, it reads as a blend with the position before, weight
+  (1 - stale_rate)^n on its own estimate, and the next observation outweighs
+  it by the same factor (`acceptance`, `observe`): deep estimates follow the
+  shallow ones when acceptance falls, and when it rises while K is small.
   Acceptance belongs to the text, so a new batch (`begin`) weighs its own
   observations more: the estimates carried in count as `carry` observations,
   and the n-th observation of a position in the batch moves it by
-  max(alpha, 1 / (carry + n)) (likewise the miss rate, per row).
-  Expected tokens per row and step: E(K) = 1 + sum_{i <= K} prod_{j <= i} a_j.
+  max(alpha, 1 / (carry + n)).
+  Expected tokens of a row: E(K) = 1 + sum_{i <= K} prod_{j <= i} a_j; when
+  the drafter drafted ahead and the host knows each row's pending draft
+  length p (`choose(..., pending=)`), the sum stops at min(K, p).
 
-  Time: a step in which no row has a draft (an n-gram miss) verifies one
-  position and costs a decode step whatever K; the others cost T(K). The tuner
-  keeps, per live bucket (powers of two), a cost level that every step moves
-  (`level_alpha`: the context grows, prompts change) and each kind of step's
-  cost relative to it (`shape_alpha`), so a K not run for a while follows the
-  level instead of keeping a stale time. T(K) for a K never measured with
-  drafts is linear in K through the measured ones (with fewer than two in a
-  bucket, the nearest bucket's shape). The miss rate m (an EMA per row) gives
-  T(K) = m^live * T_miss + (1 - m^live) * T_drafts(K).
+  Time: a step costs what its verify pass costs, by width: K + 1, or for
+  drafts known ahead the width `step.step_depth(K, max p) + 1` (a step
+  without drafts is a decode step whatever K). The tuner keeps, per live
+  bucket (powers of two), a cost level that every step moves (`level_alpha`:
+  the context grows, prompts change) and each width's cost relative to it
+  (`shape_alpha`), so a width not run for a while follows the level instead
+  of keeping a stale time. A width never measured is linear in the width
+  through the measured ones (with fewer than two in a bucket, the nearest
+  bucket's shape).
 
   Choice: argmax E(K) / T(K, live), staying on the current K unless another is
   better by more than `margin`. Warm-up runs each candidate, deepest first,
@@ -247,32 +251,25 @@ class Tuner(Policy):
         accept_n=np.zeros(d, np.int64),
         batch_n=np.zeros(d, np.int64),
         stale=np.zeros(d, np.int64),
-        miss=0.0,
-        miss_n=0,
-        batch_rows=0,
         level=np.zeros(LIVE_BUCKETS),
-        shape=np.zeros((LIVE_BUCKETS, 1 + c)),
-        shape_n=np.zeros((LIVE_BUCKETS, 1 + c), np.int64),
+        shape=np.zeros((LIVE_BUCKETS, d + 1)),
+        shape_n=np.zeros((LIVE_BUCKETS, d + 1), np.int64),
         drafted_steps=np.zeros(c, np.int64),
         last_tried=np.full((LIVE_BUCKETS, c), -1, np.int64),
     )
 
   def begin(self, state: TunerState, rows: int) -> TunerState:
-    return dataclasses.replace(state, batch_n=np.zeros_like(state.batch_n), batch_rows=0)
-
-  def _weight(self, seen: int, in_batch: np.ndarray | int, new: np.ndarray | int):
-    """EMA weight of `new` observations, `in_batch` already seen in this batch (`seen` ever: 0 -> 1)."""
-    one = np.maximum(self.alpha, 1.0 / (self.carry + in_batch + 1.0))
-    return 1.0 - (1.0 - one) ** new if seen else 1.0
+    return dataclasses.replace(state, batch_n=np.zeros_like(state.batch_n))
 
   def acceptance(self, state: TunerState) -> np.ndarray:  # [D]
     """Conditional acceptance per draft position.
 
-    A position never reached copies the one before. A position that was
-    drafted n times since a row last reached it (an earlier draft was rejected
-    each time) blends its estimate with the one before by (1 - stale_rate)^n,
-    so deep positions do not keep an optimistic value after acceptance fell at
-    shallower ones. Misses (no draft at all) do not age anything.
+    A position never reached copies the one before. A position that n rows'
+    steps ended next to without observing it (drafted but an earlier draft
+    rejected, or not drafted after a shallower step accepted every draft)
+    blends its estimate with the one before by (1 - stale_rate)^n, so deep
+    positions follow the shallow ones instead of keeping a value from other
+    text. Misses (no draft at all) do not age anything.
     """
     a = state.accept.copy()
     for j in range(len(a)):
@@ -283,33 +280,41 @@ class Tuner(Policy):
         a[j] = w * a[j] + (1.0 - w) * a[j - 1]
     return a
 
-  def expected_tokens(self, state: TunerState) -> np.ndarray:  # [C]
-    """E(K) per candidate: tokens one row emits in a step of depth K."""
-    gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance(state)))])
-    return gain[np.asarray(self.candidates)]
+  def expected_tokens(self, state: TunerState, pending: np.ndarray | None = None) -> np.ndarray:  # [C]
+    """E(K) per candidate: tokens a row emits in a step of depth K (mean over rows with `pending` drafts)."""
+    gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance(state)))])  # [D + 1]
+    ks = np.asarray(self.candidates)
+    if pending is None:
+      return gain[ks]
+    return gain[np.minimum(ks[:, None], np.asarray(pending).reshape(1, -1))].mean(1)
 
-  def step_times(self, state: TunerState, live: int) -> np.ndarray:  # [C]
+  def widths(self, pending: np.ndarray | None = None) -> np.ndarray:  # [C]
+    """Positions the verify pass of each candidate runs (`step_depth` of the longest pending draft)."""
+    if pending is None or not np.size(pending):
+      return np.asarray(self.candidates) + 1
+    longest = int(np.max(pending))
+    return np.array([verified_width(k, np.array([longest])) for k in self.candidates])
+
+  def step_times(self, state: TunerState, live: int, pending: np.ndarray | None = None) -> np.ndarray:  # [C]
     """Expected seconds of a step per candidate at this live batch size."""
-    ks = np.asarray(self.candidates, np.float64)
-    seen = state.shape_n[:, 1:] > 0  # [L, C]
+    widths = self.widths(pending).astype(np.float64)
+    seen = state.shape_n > 0  # [L, W]
     if not seen.any():
-      return 1.0 + ks  # nothing measured yet: cost grows with the verified block
+      return widths  # nothing measured yet: cost grows with the verified block
     b = live_bucket(live)
     near = sorted(range(LIVE_BUCKETS), key=lambda x: (abs(x - b), x))
     ref = next((x for x in near if seen[x].sum() >= 2), None)
     if ref is None:
       ref = next(x for x in near if seen[x].any())
-    lev = next(x for x in near if state.shape_n[x].any())
-    shape = _linear(ks, ks[seen[ref]], state.shape[ref, 1:][seen[ref]])
-    shape = np.maximum(shape, 0.1 * state.shape[ref, 1:][seen[ref]].min())
+    lev = next(x for x in near if seen[x].any())
+    measured = np.arange(1, seen.shape[1] + 1, dtype=np.float64)[seen[ref]]
+    shape = _linear(widths, measured, state.shape[ref][seen[ref]])
+    shape = np.maximum(shape, 0.1 * state.shape[ref][seen[ref]].min())
     own = seen[lev] & seen[ref]
     if lev != ref and own.any():  # the reference bucket's curve, through this bucket's own points
-      shape *= np.mean(state.shape[lev, 1:][own] / shape[own])
-    times = state.level[lev] * shape
-    if not state.shape_n[lev, 0]:
-      return times
-    all_miss = state.miss ** max(live, 1)
-    return all_miss * state.level[lev] * state.shape[lev, 0] + (1.0 - all_miss) * times
+      all_widths = np.arange(1, seen.shape[1] + 1, dtype=np.float64)
+      shape *= np.mean(state.shape[lev][own] / _linear(all_widths[own], measured, state.shape[ref][seen[ref]]))
+    return state.level[lev] * shape
 
   def _forced(self, state: TunerState, live: int) -> int | None:
     """The candidate index a warm-up or exploration step runs, else None."""
@@ -321,31 +326,36 @@ class Tuner(Policy):
       return int(np.argmin(state.last_tried[live_bucket(live)]))
     return None
 
-  def choose(self, state: TunerState, live: int) -> int:
+  def choose(self, state: TunerState, live: int, pending: np.ndarray | None = None) -> int:
     forced = self._forced(state, live)
     if forced is not None:
       return self.candidates[forced]
-    rate = self.expected_tokens(state) / self.step_times(state, live)
+    rate = self.expected_tokens(state, pending) / self.step_times(state, live, pending)
     best, current = int(np.argmax(rate)), state.current
     if current >= 0 and rate[best] <= rate[current] * (1 + self.margin):
       best = current
     return self.candidates[best]
 
   def observe(self, state: TunerState, k: int, accepted: np.ndarray, step_s: float, live: int,
-              drafted: np.ndarray | None = None) -> TunerState:
-    """One step's outcome: accepted [rows] and drafted [rows] (None: every row drafted K)."""
+              drafted: np.ndarray | None = None, width: int | None = None) -> TunerState:
+    """One step's outcome: accepted [rows], drafted [rows] (None: every row drafted K), and the
+    positions its verify pass ran (None: K + 1)."""
     if k not in self.candidates:
       raise SpecjaxError(f'K={k} is not a candidate of this tuner {self.candidates}')
     i, b = self.candidates.index(k), live_bucket(live)
     accepted = np.asarray(accepted).reshape(-1)  # [rows]
     drafted = np.full_like(accepted, k) if drafted is None else np.asarray(drafted).reshape(-1)
+    width = k + 1 if width is None else int(width)
+    if not 1 <= width <= k + 1:
+      raise SpecjaxError(f'a depth-{k} step verifies 1..{k + 1} positions, got width {width}')
     depth = np.arange(1, k + 1)[:, None]  # [k, 1]
     reached = (accepted[None, :] >= depth - 1).sum(1)  # [k]
     hits = (accepted[None, :] >= depth).sum(1)
     accept, accept_n = state.accept.copy(), state.accept_n.copy()
     fresh = (1.0 - self.stale_rate) ** state.stale  # [D] how current each estimate is
     for j in np.flatnonzero(reached):
-      w = self._weight(accept_n[j], state.batch_n[j], reached[j])
+      one = max(self.alpha, 1.0 / (self.carry + state.batch_n[j] + 1.0))  # a new batch's first ones weigh more
+      w = 1.0 - (1.0 - one) ** reached[j] if accept_n[j] else 1.0
       w = w / (w + (1.0 - w) * fresh[j])  # a stale estimate gives way to new observations
       accept[j] += w * (hits[j] / reached[j] - accept[j])
     accept_n[:k] += reached
@@ -354,28 +364,26 @@ class Tuner(Policy):
     skipped = ((drafted[None, :] > depth - 1) & (accepted[None, :] < depth - 1)).sum(1)  # [k] drafted, not reached
     stale = state.stale.copy()
     stale[:k] = np.where(reached > 0, 0, stale[:k] + skipped)
-    rows, misses = len(drafted), int((drafted == 0).sum())
-    w = self._weight(state.miss_n, state.batch_rows, rows)
-    miss = state.miss + w * (misses / max(rows, 1) - state.miss)
+    stale[k:] += int(((accepted == k) & (drafted == k)).sum())  # every draft accepted: deeper ones unknown
     level, shape, shape_n = state.level.copy(), state.shape.copy(), state.shape_n.copy()
-    kind = 0 if misses == rows else 1 + i  # a step without any draft, or a step of candidate i
-    if not shape_n[b].any():  # a new live bucket: normalised like the nearest bucket that ran this kind
-      known = [x for x in sorted(range(LIVE_BUCKETS), key=lambda x: (abs(x - b), x)) if shape_n[x, kind]]
-      shape[b, kind] = shape[known[0], kind] if known else 1.0
-      level[b] = step_s / shape[b, kind]
-    elif not shape_n[b, kind]:
-      shape[b, kind] = step_s / level[b]
+    w_i = width - 1
+    if not shape_n[b].any():  # a new live bucket: normalised like the nearest bucket that ran this width
+      known = [x for x in sorted(range(LIVE_BUCKETS), key=lambda x: (abs(x - b), x)) if shape_n[x, w_i]]
+      shape[b, w_i] = shape[known[0], w_i] if known else 1.0
+      level[b] = step_s / shape[b, w_i]
+    elif not shape_n[b, w_i]:
+      shape[b, w_i] = step_s / level[b]
     else:
-      level[b] += self.level_alpha * (step_s / shape[b, kind] - level[b])
-      shape[b, kind] += self.shape_alpha * (step_s / level[b] - shape[b, kind])
-    shape_n[b, kind] += 1
+      level[b] += self.level_alpha * (step_s / shape[b, w_i] - level[b])
+      shape[b, w_i] += self.shape_alpha * (step_s / level[b] - shape[b, w_i])
+    shape_n[b, w_i] += 1
     drafted_steps = state.drafted_steps.copy()
-    drafted_steps[i] += kind > 0
+    drafted_steps[i] += bool(drafted.any())
     last_tried = state.last_tried.copy()
     last_tried[b, i] = state.step
     current = state.current if self._forced(state, live) is not None else i
-    return TunerState(state.step + 1, current, accept, accept_n, batch_n, stale, miss, state.miss_n + rows,
-                      state.batch_rows + rows, level, shape, shape_n, drafted_steps, last_tried)
+    return TunerState(state.step + 1, current, accept, accept_n, batch_n, stale, level, shape, shape_n,
+                      drafted_steps, last_tried)
 
 
 # ---------------------------------------------------------------- construction
@@ -485,6 +493,7 @@ class Trace:
   lengths: list[int]  # tokens each sequence emits in decode steps
   steps: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)  # recorded (K, seconds, live)
   drafted: list[list[int]] = dataclasses.field(default_factory=list)  # recorded drafts per sequence and step
+  pending: list[list[int]] = dataclasses.field(default_factory=list)  # recorded drafts known ahead, likewise
 
   def __post_init__(self):
     if len(self.outcomes) != len(self.lengths):
@@ -521,7 +530,9 @@ def trace_from_stats(results: Sequence[Any], stats: Any) -> Trace:
       raise SpecjaxError(f'result {i}: {length} decode tokens do not match its accepted counts')
     outcomes.append(np.asarray(row, np.int8))
     lengths.append(length)
-  return Trace(outcomes, lengths, list(stats.steps), [list(r.spec.drafted_per_step) for r in results])
+  pending = [list(getattr(r.spec, 'pending_per_step', None) or []) for r in results]
+  return Trace(outcomes, lengths, list(stats.steps), [list(r.spec.drafted_per_step) for r in results],
+               pending if any(pending) else [])
 
 
 class StepCosts:
@@ -630,7 +641,11 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
   `censored`: 'reject' or 'accept', how UNKNOWN positions replay.
   `width_cost(width, live)`, if given, prices a step by the positions its
   verify pass runs instead (variable-length drafters: a step without drafts
-  costs a decode step, whatever K). `state` continues a policy state (the
+  costs a decode step, whatever K). For drafters that draft ahead (a
+  `width_cost`, or a trace that recorded `pending` draft lengths) the policy
+  is told each row's pending draft length before it chooses (the recorded
+  one while on the recorded path, else the replayed draft at its deepest
+  candidate) and every step's verified width. `state` continues a policy state (the
   first batch starts from it instead of a fresh one; see `SimResult.state`).
   """
   if censored not in ('reject', 'accept'):
@@ -641,6 +656,7 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
     raise SpecjaxError(f'batch must be at least 1, got {batch}')
   step_cost = cost or StepCosts(trace.steps)
   recorded = trace.steps if cost is None and batch >= n else []
+  ahead = width_cost is not None or bool(trace.pending)  # drafts known before each step
   on_path = True
   out = SimResult(0, 0.0, [], [], [], [[] for _ in range(n)], [0] * n)
   for start in range(0, n, batch):
@@ -653,14 +669,22 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
       if not live_rows:
         break
       live = len(live_rows)
-      k = policy.choose(state, live)
+      t = len(out.ks)
+      on_path = on_path and t < len(recorded) and recorded[t][2] == live
+      pending = None
+      if on_path and trace.pending:
+        pending = np.array([trace.pending[i][len(out.accepted[i])] for i in live_rows])
+      elif ahead:  # drafts known ahead: the draft lengths at the deepest candidate
+        deepest = max(policy.candidates)
+        pending = np.array([_replay_step(trace.outcomes[i], pos[i], deepest, censored == 'accept')[1]
+                            for i in live_rows])
+      k = policy.choose(state, live, pending)
       if k not in policy.candidates:
         raise SpecjaxError(f'policy {policy.name} chose K={k}, not among its candidates {policy.candidates}')
       replayed = [_replay_step(trace.outcomes[i], pos[i], k, censored == 'accept') for i in live_rows]
       accepted = np.array([a for a, _ in replayed])
       drafted = np.array([d for _, d in replayed])
-      t = len(out.ks)
-      on_path = on_path and t < len(recorded) and recorded[t][0] == k and recorded[t][2] == live
+      on_path = on_path and recorded[t][0] == k
       if on_path and trace.drafted:
         drafted = np.array([trace.drafted[i][len(out.accepted[i])] for i in live_rows])
       for i, a in zip(live_rows, accepted):
@@ -668,11 +692,12 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
         pos[i] += emitted
         out.emitted[i] += emitted
         out.accepted[i].append(int(a))
+      width = verified_width(k, drafted) if ahead else None
       if width_cost is not None:
-        step_s = width_cost(verified_width(k, drafted), live)
+        step_s = width_cost(width, live)
       else:
         step_s = recorded[t][1] if on_path else step_cost(k, live)
-      state = policy.observe(state, k, accepted, step_s, live, drafted)
+      state = policy.observe(state, k, accepted, step_s, live, drafted, width)
       out.ks.append(k)
       out.live.append(live)
       out.step_s.append(step_s)

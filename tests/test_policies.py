@@ -161,19 +161,22 @@ def test_tuner_step_times_follow_the_level_and_live():
   assert times[1] == pytest.approx(2.1, rel=0.05) and times[0] > 1.2 * 1.3
 
 
-def test_tuner_prices_misses_as_decode_steps():
-  """Steps where no row drafts (n-gram misses) cost a decode step whatever K: they do not flatter a K."""
+def test_tuner_prices_steps_by_verified_width():
+  """Drafts known ahead: a step costs what its verify width costs, and E(K) stops at the pending drafts."""
   tuner = Tuner((2, 4, 6, 8))
   state = tuner.init()
-  for k, drafted, seconds in [(8, 0, 1.0), (8, 8, 2.6), (4, 4, 1.8), (2, 0, 1.0), (2, 2, 1.4)]:
-    state = tuner.observe(state, k, np.array([0]), seconds, 1, np.array([drafted]))
-  want_miss = 1.0  # EMA over miss, drafted, drafted, miss, drafted (the first sets it), n-th weighs 1 / (4 + n)
-  for n, m in enumerate((0, 0, 1, 0), 2):
-    want_miss += 1 / (tuner.carry + n) * (m - want_miss)
-  assert state.miss == pytest.approx(want_miss)
-  times = tuner.step_times(state, 1)
-  drafts_only = np.array([1.4, 1.8, 2.2, 2.6])
-  np.testing.assert_allclose(times, want_miss * 1.0 + (1 - want_miss) * drafts_only, rtol=1e-6)
+  for k, drafted, width, seconds in [(8, 0, 1, 1.0), (8, 8, 9, 2.6), (4, 4, 5, 1.8), (2, 0, 1, 1.0)]:
+    state = tuner.observe(state, k, np.array([0]), seconds, 1, np.array([drafted]), width)
+  np.testing.assert_allclose(tuner.step_times(state, 1), [1.4, 1.8, 2.2, 2.6])  # widths 3, 5, 7, 9: linear
+  np.testing.assert_allclose(tuner.step_times(state, 1, np.array([0])), [1.0] * 4)  # no drafts: decode steps
+  # A 3-token draft: K = 2 verifies its 3 positions, K >= 4 the 4 of their widths (1, 2, 4, ...) that cover it.
+  np.testing.assert_array_equal(tuner.widths(np.array([3])), [3, 4, 4, 4])
+  full, capped = tuner.expected_tokens(state), tuner.expected_tokens(state, np.array([3, 1]))
+  gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(tuner.acceptance(state)))])
+  np.testing.assert_allclose(full, gain[[2, 4, 6, 8]])
+  np.testing.assert_allclose(capped, [(gain[2] + gain[1]) / 2] + [(gain[3] + gain[1]) / 2] * 3)
+  with pytest.raises(SpecjaxError, match='width'):
+    tuner.observe(state, 2, np.array([0]), 1.0, 1, np.array([2]), 4)
 
 
 def test_observe_returns_a_new_state():
@@ -262,9 +265,9 @@ def test_tuner_weighs_a_new_batch_more():
   assert deep_steps(Tuner(candidates_for('ngram'))) < 0.8 * deep_steps(Tuner(candidates_for('ngram'), carry=9))
   tuner = Tuner((2, 4))
   state = tuner.observe(tuner.init(), 4, np.array([4]), 1e-3, 1)
-  assert list(state.batch_n) == [1] * 4 and state.batch_rows == 1
+  assert list(state.batch_n) == [1] * 4
   state = tuner.begin(state, 1)
-  assert list(state.batch_n) == [0] * 4 and state.batch_rows == 0 and list(state.accept_n) == [1] * 4
+  assert list(state.batch_n) == [0] * 4 and list(state.accept_n) == [1] * 4
 
 
 def test_tuner_stale_positions_blend_toward_the_one_before():
@@ -280,12 +283,12 @@ def test_tuner_stale_positions_blend_toward_the_one_before():
 
 
 def test_tuner_uses_shallower_drafts_under_load():
-  cost = lambda k, live: 1e-3 * (1 + 0.02 * k * live)  # verify grows with K x live rows
+  cost = lambda k, live: 1e-3 * (1 + 0.05 * k * live)  # verify grows with K x live rows
   trace = bernoulli_trace(0.8, rows=16, length=1200, seed=3)
   trace.lengths = [75 * (i + 1) for i in range(16)]  # rows finish one by one
   sim = simulate(Tuner(candidates_for('ngram')), trace, cost=cost)
   high = [k for k, live in zip(sim.ks, sim.live) if live >= 9]
-  low = [k for k, live in zip(sim.ks, sim.live) if live <= 6]
+  low = [k for k, live in zip(sim.ks, sim.live) if live <= 3]
   assert mode(high) == 2 and mode(low) >= 4
 
 

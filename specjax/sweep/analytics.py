@@ -219,7 +219,8 @@ def _trace(rows: list[dict], steps: list[tuple[int, float, int]]):
   results = [SimpleNamespace(tokens=r['tokens'], spec=SimpleNamespace(
       accepted_per_step=r['accepted_per_step'],
       # results written before draft counts were recorded: every step drafted K
-      drafted_per_step=r.get('drafted_per_step') or r['k_per_step'][:len(r['accepted_per_step'])]))
+      drafted_per_step=r.get('drafted_per_step') or r['k_per_step'][:len(r['accepted_per_step'])],
+      pending_per_step=r.get('pending_per_step') or []))
              for r in rows]
   return policies.trace_from_stats(results, SimpleNamespace(steps=steps))
 

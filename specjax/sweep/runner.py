@@ -231,6 +231,7 @@ def _row_record(row: int, result, stats, prompt: Prompt, request_id: int, base: 
     record.update({
         'accepted_per_step': [int(a) for a in spec.accepted_per_step],
         'drafted_per_step': [int(d) for d in spec.drafted_per_step],
+        'pending_per_step': [int(p) for p in spec.pending_per_step],
         'target_steps': spec.target_steps,
         'drafted': spec.drafted,
         'accepted': spec.accepted,
