@@ -408,7 +408,8 @@ class Engine:
           spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]), int(before[i]) if ahead else None)
           spec[i].draft_s += self.phase_s[0] if self.profile else 0.0
           spec[i].verify_s += self.phase_s[1] if self.profile else 0.0
-        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live, drafted[rows], k_exec + 1)
+        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live, drafted[rows], k_exec + 1,
+                                before[rows] if ahead else None)
       active = now_active
     stats.decode_s = time.perf_counter() - t0
     stats.policy_state = pstate

@@ -6,7 +6,7 @@ Python/numpy), so the trace-replay simulator can drive it without a model:
   state = policy.init()
   state = policy.begin(state, rows)                 # a new batch of `rows` sequences starts
   k = policy.choose(state, live, pending)           # live: sequences still decoding
-  state = policy.observe(state, k, accepted, step_s, live, drafted, width)
+  state = policy.observe(state, k, accepted, step_s, live, drafted, width, pending)
 
 `pending` holds each live sequence's draft length when the drafter drafted
 ahead (`Drafter.drafts_ahead`: the host knows it before the step; else None),
@@ -96,7 +96,8 @@ class Policy:
     raise NotImplementedError
 
   def observe(self, state: Any, k: int, accepted: np.ndarray, step_s: float, live: int,
-              drafted: np.ndarray | None = None, width: int | None = None) -> Any:
+              drafted: np.ndarray | None = None, width: int | None = None,
+              pending: np.ndarray | None = None) -> Any:
     return state
 
 
@@ -161,7 +162,7 @@ def _linear(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
 class TunerState:
   step: int  # steps observed
   current: int  # candidate index last chosen on merit (-1: none yet)
-  accept: np.ndarray  # [D] EMA of P(draft j accepted | drafts before it accepted); no draft: not accepted
+  accept: np.ndarray  # [D] EMA of P(draft j accepted | drafts before it accepted)
   accept_n: np.ndarray  # [D] rows that reached each position
   batch_n: np.ndarray  # [D] rows that reached each position since the batch began
   stale: np.ndarray  # [D] rows whose step ended next to each position without observing it, since one did
@@ -177,10 +178,12 @@ class Tuner(Policy):
   """Picks the candidate K with the most expected tokens per second.
 
   Tokens: an EMA (`alpha`) of the conditional acceptance a_j = P(draft j
-  accepted | drafts before it accepted) per draft position, a missing draft
-  counting as not accepted. A step at depth k informs positions 1..k (position
-  j is reached by the rows that accepted j - 1 drafts); each reaching row is
-  one EMA observation. Positions never reached copy the deepest one that was.
+  accepted | drafts before it accepted) per draft position. A step at depth k
+  informs positions 1..k (position j is reached by the rows that accepted
+  j - 1 drafts); each reaching row is one EMA observation. A missing draft
+  counts as not accepted, except where the drafter drafts ahead: the pending
+  lengths say where drafts end, so a_j is conditional on draft j existing.
+  Do not mix the two kinds of drafter in one state. Positions never reached copy the deepest one that was.
   A position goes stale each time a row's step ends without observing it:
   drafted but not reached (an earlier draft was rejected) or not drafted
   because every draft of a shallower step was accepted. After n such rows
@@ -337,9 +340,11 @@ class Tuner(Policy):
     return self.candidates[best]
 
   def observe(self, state: TunerState, k: int, accepted: np.ndarray, step_s: float, live: int,
-              drafted: np.ndarray | None = None, width: int | None = None) -> TunerState:
-    """One step's outcome: accepted [rows], drafted [rows] (None: every row drafted K), and the
-    positions its verify pass ran (None: K + 1)."""
+              drafted: np.ndarray | None = None, width: int | None = None,
+              pending: np.ndarray | None = None) -> TunerState:
+    """One step's outcome: accepted [rows], drafted [rows] (None: every row drafted K), the positions
+    its verify pass ran (None: K + 1), and the pending draft lengths `choose` was told (None: not known
+    ahead; a row without a draft at a position then counts as a rejection there)."""
     if k not in self.candidates:
       raise SpecjaxError(f'K={k} is not a candidate of this tuner {self.candidates}')
     i, b = self.candidates.index(k), live_bucket(live)
@@ -349,7 +354,10 @@ class Tuner(Policy):
     if not 1 <= width <= k + 1:
       raise SpecjaxError(f'a depth-{k} step verifies 1..{k + 1} positions, got width {width}')
     depth = np.arange(1, k + 1)[:, None]  # [k, 1]
-    reached = (accepted[None, :] >= depth - 1).sum(1)  # [k]
+    reached = accepted[None, :] >= depth - 1  # [k, rows]
+    if pending is not None:  # drafts known ahead: only rows with a draft at j observe a_j
+      reached &= drafted[None, :] >= depth
+    reached = reached.sum(1)  # [k]
     hits = (accepted[None, :] >= depth).sum(1)
     accept, accept_n = state.accept.copy(), state.accept_n.copy()
     fresh = (1.0 - self.stale_rate) ** state.stale  # [D] how current each estimate is
@@ -697,7 +705,7 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
         step_s = width_cost(width, live)
       else:
         step_s = recorded[t][1] if on_path else step_cost(k, live)
-      state = policy.observe(state, k, accepted, step_s, live, drafted, width)
+      state = policy.observe(state, k, accepted, step_s, live, drafted, width, pending)
       out.ks.append(k)
       out.live.append(live)
       out.step_s.append(step_s)

@@ -179,6 +179,18 @@ def test_tuner_prices_steps_by_verified_width():
     tuner.observe(state, 2, np.array([0]), 1.0, 1, np.array([2]), 4)
 
 
+def test_tuner_acceptance_given_drafts_known_ahead():
+  """With pending lengths, a row without a draft at a position does not count as a rejection there."""
+  tuner = Tuner((4,))
+  accepted, drafted = np.array([2, 0, 1]), np.array([2, 0, 4])  # row 0 accepted both its drafts; row 1 had none
+  ahead = tuner.observe(tuner.init(), 4, accepted, 1e-3, 3, drafted, 5, pending=np.array([2, 0, 6]))
+  inline = tuner.observe(tuner.init(), 4, accepted, 1e-3, 3, drafted, 5)
+  np.testing.assert_allclose(ahead.accept[:2], [1.0, 1 / 2])  # a1: rows 0, 2 (2 hits); a2: rows 0, 2 (1 hit)
+  assert list(ahead.accept_n) == [2, 2, 0, 0]
+  np.testing.assert_allclose(inline.accept[:3], [2 / 3, 1 / 2, 0.0])  # row 1 rejects a1, row 0 a3
+  assert list(inline.accept_n) == [3, 2, 1, 0]
+
+
 def test_observe_returns_a_new_state():
   tuner = Tuner((2, 4))
   state = tuner.init()
