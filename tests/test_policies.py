@@ -293,6 +293,15 @@ def test_tuner_stale_positions_blend_toward_the_one_before():
   state = tuner.observe(state, 8, np.array([0]), 1e-3, 1, np.array([0]))  # a miss: nothing ages
   assert list(state.stale) == [0] + [1] * 7
 
+  # Every draft of a shallower step accepted: the positions beyond it were never drafted and go stale, so
+  # a tuner sitting at a small K in repetitive text raises its deep estimates toward the shallow ones.
+  tuner = Tuner((2, 8), stale_rate=0.5)
+  state = tuner.observe(tuner.init(), 8, np.array([2, 2]), 1e-3, 2, np.array([8, 8]))  # draft 3 rejected
+  deep = tuner.acceptance(state)[2]
+  for _ in range(3):
+    state = tuner.observe(state, 2, np.array([2, 2]), 1e-3, 2, np.array([2, 2]))
+  assert state.stale[2] == 6 and deep == 0.0 and tuner.acceptance(state)[2] > 0.9
+
 
 def test_tuner_uses_shallower_drafts_under_load():
   cost = lambda k, live: 1e-3 * (1 + 0.05 * k * live)  # verify grows with K x live rows
