@@ -538,7 +538,7 @@ def trace_from_stats(results: Sequence[Any], stats: Any) -> Trace:
       raise SpecjaxError(f'result {i}: {length} decode tokens do not match its accepted counts')
     outcomes.append(np.asarray(row, np.int8))
     lengths.append(length)
-  pending = [list(getattr(r.spec, 'pending_per_step', None) or []) for r in results]
+  pending = [list(r.spec.pending_per_step) for r in results]
   return Trace(outcomes, lengths, list(stats.steps), [list(r.spec.drafted_per_step) for r in results],
                pending if any(pending) else [])
 
