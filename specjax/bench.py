@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -37,7 +36,7 @@ from flax import nnx
 from specjax.engine import Engine
 from specjax.errors import SpecjaxError
 from specjax.metrics import SpecMetrics
-from specjax.sampling import SamplingParams
+from specjax.sampling import SamplingParams, argmax
 from specjax.step import draft_context
 
 SPEC_BENCH = os.path.join('..', 'shared', 'data', 'spec_bench', 'question.jsonl')
@@ -88,19 +87,19 @@ def load_prompts(path: str, categories: list[str] | None = None, limit: int | No
 
 # Each cost function donates the decode state and returns it with the target
 # cache rolled back by length, so repeated timing runs in place (an undonated
-# cache would be copied on every call and inflate the cost).
+# cache would be copied on every call and inflate the cost). `calibrate` runs
+# them as the engine runs its steps: compiled ahead of time (`Engine._compiled`),
+# so the host-side cost of a call is the engine's, not `jax.jit`'s dispatch.
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _decode_cost(graphdef, params, state):
   model = nnx.merge(graphdef, params)
   hidden, cache = model(state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
   cache = dataclasses.replace(cache, lengths=state.cache.lengths)
-  return jnp.argmax(model.logits(hidden[:, 0]), -1), dataclasses.replace(state, cache=cache)
+  return argmax(model.logits(hidden[:, 0])), dataclasses.replace(state, cache=cache)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=6)
-def _draft_cost(graphdef, drafter, k, sampling, params, dparams, state):
+def _draft_cost(graphdef, params, dparams, state, *, drafter, k, sampling):
   ctx = draft_context(state)
   dstate = drafter.start(dparams, state.drafter, ctx) if drafter.drafts_ahead else state.drafter  # the lookup
   prop = drafter.propose(nnx.merge(graphdef, params), dparams, dstate, state.cache, ctx, k, sampling)
@@ -109,13 +108,12 @@ def _draft_cost(graphdef, drafter, k, sampling, params, dparams, state):
   return prop.drafts, dataclasses.replace(state, cache=cache, drafter=prop.state)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def _verify_cost(graphdef, k, params, state):
+def _verify_cost(graphdef, params, state, *, k):
   model = nnx.merge(graphdef, params)
   block = jnp.broadcast_to(state.last_tokens[:, None], (state.last_tokens.shape[0], k + 1))
   hidden, cache, _ = model.forward(block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32))
   cache = dataclasses.replace(cache, lengths=state.cache.lengths)
-  return jnp.argmax(model.logits(hidden), -1), dataclasses.replace(state, cache=cache)
+  return argmax(model.logits(hidden)), dataclasses.replace(state, cache=cache)
 
 
 def _time_rounds(fns: dict, state, repeats: int = 7) -> tuple[dict[str, float], object]:
@@ -140,12 +138,16 @@ def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParam
   """Times one autoregressive step, the drafter's propose for k, and the k + 1 verify pass, each alone."""
   eos = jnp.asarray([-1], jnp.int32)
   state = engine.prefill([prompt], 64, sampling, eos)
-  graphdef, params, drafter = engine.model.graphdef, engine.model.params, engine.drafter
+  params, drafter = engine.model.params, engine.drafter
   dparams = drafter.params()
+  decode = engine._compiled('cost_decode', _decode_cost, (state,), {}, (1,))
+  verify = engine._compiled('cost_verify', _verify_cost, (state,), {'k': k}, (1,))
+  draft = engine._compiled('cost_draft', _draft_cost, (dparams, state),
+                           {'drafter': drafter, 'k': k, 'sampling': sampling}, (2,))
   costs, _ = _time_rounds({
-      'decode_s': lambda st: _decode_cost(graphdef, params, st),
-      'verify_s': lambda st: _verify_cost(graphdef, k, params, st),
-      'draft_s': lambda st: _draft_cost(graphdef, drafter, k, sampling, params, dparams, st),
+      'decode_s': lambda st: decode(params, st),
+      'verify_s': lambda st: verify(params, st),
+      'draft_s': lambda st: draft(params, dparams, st),
   }, state)
   return costs
 

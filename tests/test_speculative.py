@@ -213,3 +213,16 @@ def test_profiled_step_reports_draft_and_verify_time(tiny_model, draft_model, gr
       PROMPTS, max_new_tokens=20, num_draft=3, sampling=params)[0]
   split = engine.generate(PROMPTS, max_new_tokens=20, num_draft=3, sampling=params)[0]
   assert [r.tokens for r in split] == [r.tokens for r in fused]
+
+
+@pytest.mark.parametrize('kind', ['ngram', 'draft-model'])
+def test_bench_calibration_compiles_once(kind, tiny_model, draft_model):
+  """`bench.calibrate` times AOT executables cached on the engine, as the steps run."""
+  from specjax.bench import calibrate
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make(kind, tiny_model, draft_model))
+  prompt = engine.encode([PROMPTS[0]])[0]
+  costs = calibrate(engine, prompt, 3)
+  assert set(costs) == {'decode_s', 'verify_s', 'draft_s'} and all(v > 0 for v in costs.values())
+  compiled = engine.compile_s
+  calibrate(engine, prompt, 3)
+  assert engine.compile_s == compiled
