@@ -233,8 +233,13 @@ class Engine:
   # -- generation
 
   def prefill(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
-              eos_ids: jax.Array, request_ids: Sequence[int] | None = None) -> DecodeState:
-    """Reserves pages, runs the prompts through the model (and drafter), samples the first token."""
+              eos_ids: jax.Array, request_ids: Sequence[int] | None = None, *,
+              drafting: bool = True) -> DecodeState:
+    """Reserves pages, runs the prompts through the model (and drafter), samples the first token.
+
+    `drafting=False` (plain decoding on an engine with a drafter) leaves the
+    drafter's state at its initial value instead of running the drafter.
+    """
     pages_per_seq, num_pages = self._plan(prompts, max_new_tokens)
     batch, n = next_pow2(len(prompts)), len(prompts)
     allocator = PageAllocator(num_pages, self.page_size)
@@ -262,7 +267,7 @@ class Engine:
       tokens = np.pad(tokens, ((0, 0), (0, chunk - tokens.shape[1])))
       q_lens = np.clip(lens - start, 0, chunk).astype(np.int32)
       cache, last_hidden, hidden = self._call('prefill', _prefill_chunk, (cache, tokens, q_lens, last_hidden))
-      if self.drafter:
+      if self.drafter and drafting:
         dstate = self._call('drafter_prefill', _drafter_prefill, (dparams, dstate, tokens, q_lens, hidden),
                             {'drafter': self.drafter}, donate=(2,))
     state = DecodeState(
@@ -276,7 +281,7 @@ class Engine:
         drafter=dstate,
     )
     state = self._call('start', _start, (state, last_hidden, eos_ids), {'sampling': sampling})
-    if self.drafter:
+    if self.drafter and drafting:
       state = self._call('drafter_start', _drafter_start, (dparams, state), {'drafter': self.drafter}, donate=(2,))
     return state
 
@@ -372,7 +377,7 @@ class Engine:
           stream(row, delta)
 
     t0 = time.perf_counter()
-    state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids)
+    state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids, drafting=bool(policy))
     ahead = bool(policy) and self.drafter.drafts_ahead
     exec_depths = sorted({w - 1 for d in depths for w in verify_widths(d)}) if ahead else depths
     steps = {d: self._step_fn(d if policy else None, sampling, state, eos_ids)

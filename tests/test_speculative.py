@@ -226,3 +226,13 @@ def test_bench_calibration_compiles_once(kind, tiny_model, draft_model):
   compiled = engine.compile_s
   calibrate(engine, prompt, 3)
   assert engine.compile_s == compiled
+
+
+def test_plain_decoding_skips_the_drafter(tiny_model, draft_model, greedy_reference):
+  """num_draft=0 on an engine with a drafter neither compiles nor runs the drafter."""
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make('draft-model', tiny_model, draft_model))
+  results, _ = engine.generate(PROMPTS, max_new_tokens=40, num_draft=0)
+  assert [r.tokens for r in results] == greedy_reference
+  assert not [key for key in engine._executables if key[0].startswith('drafter')]
+  results, _ = engine.generate(PROMPTS, max_new_tokens=40, num_draft=3)
+  assert [r.tokens for r in results] == greedy_reference
