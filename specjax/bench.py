@@ -92,13 +92,6 @@ def load_prompts(path: str, categories: list[str] | None = None, limit: int | No
 # so the host-side cost of a call is the engine's, not `jax.jit`'s dispatch.
 
 
-def _decode_cost(graphdef, params, state):
-  model = nnx.merge(graphdef, params)
-  hidden, cache = model(state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
-  cache = dataclasses.replace(cache, lengths=state.cache.lengths)
-  return argmax(model.logits(hidden[:, 0])), dataclasses.replace(state, cache=cache)
-
-
 def _draft_cost(graphdef, params, dparams, state, *, drafter, k, sampling):
   ctx = draft_context(state)
   dstate = drafter.start(dparams, state.drafter, ctx) if drafter.drafts_ahead else state.drafter  # the lookup
@@ -109,6 +102,7 @@ def _draft_cost(graphdef, params, dparams, state, *, drafter, k, sampling):
 
 
 def _verify_cost(graphdef, params, state, *, k):
+  """The target pass over K + 1 positions (K = 0: one autoregressive step)."""
   model = nnx.merge(graphdef, params)
   block = jnp.broadcast_to(state.last_tokens[:, None], (state.last_tokens.shape[0], k + 1))
   hidden, cache, _ = model.forward(block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32))
@@ -140,7 +134,7 @@ def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParam
   state = engine.prefill([prompt], 64, sampling, eos)
   params, drafter = engine.model.params, engine.drafter
   dparams = drafter.params()
-  decode = engine._compiled('cost_decode', _decode_cost, (state,), {}, (1,))
+  decode = engine._compiled('cost_verify', _verify_cost, (state,), {'k': 0}, (1,))
   verify = engine._compiled('cost_verify', _verify_cost, (state,), {'k': k}, (1,))
   draft = engine._compiled('cost_draft', _draft_cost, (dparams, state),
                            {'drafter': drafter, 'k': k, 'sampling': sampling}, (2,))

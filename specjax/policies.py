@@ -183,7 +183,8 @@ class Tuner(Policy):
   j - 1 drafts); each reaching row is one EMA observation. A missing draft
   counts as not accepted, except where the drafter drafts ahead: the pending
   lengths say where drafts end, so a_j is conditional on draft j existing.
-  Do not mix the two kinds of drafter in one state. Positions never reached copy the deepest one that was.
+  Do not mix the two kinds of drafter in one state. Positions never reached
+  copy the deepest one that was.
   A position goes stale each time a row's step ends without observing it:
   drafted but not reached (an earlier draft was rejected) or not drafted
   because every draft of a shallower step was accepted. After n such rows
