@@ -36,6 +36,7 @@ from flax import nnx
 from specjax.engine import Engine
 from specjax.errors import SpecjaxError
 from specjax.metrics import SpecMetrics
+from specjax.models.contract import append
 from specjax.sampling import SamplingParams, argmax
 from specjax.step import draft_context
 
@@ -88,7 +89,7 @@ def load_prompts(path: str, categories: list[str] | None = None, limit: int | No
 # Each cost function donates the decode state and returns it with the target
 # cache rolled back by length, so repeated timing runs in place (an undonated
 # cache would be copied on every call and inflate the cost). `calibrate` runs
-# them as the engine runs its steps: compiled ahead of time (`Engine._compiled`),
+# them as the engine runs its steps: compiled ahead of time (`engine.executables`),
 # so the host-side cost of a call is the engine's, not `jax.jit`'s dispatch.
 
 
@@ -105,7 +106,7 @@ def _verify_cost(graphdef, params, state, *, k):
   """The target pass over K + 1 positions (K = 0: one autoregressive step)."""
   model = nnx.merge(graphdef, params)
   block = jnp.broadcast_to(state.last_tokens[:, None], (state.last_tokens.shape[0], k + 1))
-  hidden, cache, _ = model.forward(block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32))
+  hidden, cache, _ = append(model, block, state.cache, jnp.where(state.active, k + 1, 0))
   cache = dataclasses.replace(cache, lengths=state.cache.lengths)
   return argmax(model.logits(hidden)), dataclasses.replace(state, cache=cache)
 
@@ -134,9 +135,9 @@ def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParam
   state = engine.prefill([prompt], 64, sampling, eos)
   params, drafter = engine.model.params, engine.drafter
   dparams = drafter.params()
-  decode = engine._compiled('cost_verify', _verify_cost, (state,), {'k': 0}, (1,))
-  verify = engine._compiled('cost_verify', _verify_cost, (state,), {'k': k}, (1,))
-  draft = engine._compiled('cost_draft', _draft_cost, (dparams, state),
+  decode = engine.executables.get('cost_verify', _verify_cost, (state,), {'k': 0})
+  verify = engine.executables.get('cost_verify', _verify_cost, (state,), {'k': k})
+  draft = engine.executables.get('cost_draft', _draft_cost, (dparams, state),
                            {'drafter': drafter, 'k': k, 'sampling': sampling}, (2,))
   costs, _ = _time_rounds({
       'decode_s': lambda st: decode(params, st),

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,6 +23,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--page-size', type=int, default=16)
   p.add_argument('--num-pages', type=int, default=None, help='KV page pool size (default: what the batch needs)')
   p.add_argument('--max-seq-len', type=int, default=None, help='capacity of one sequence (prompt + new tokens)')
+  p.add_argument('--dtype', default=None, choices=('float32', 'bfloat16', 'float16'),
+                 help='params and compute dtype (default: float32 on CPU, bfloat16 on GPU)')
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +69,7 @@ def cmd_generate(args) -> int:
   if args.max_new_tokens < 1:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
   import specjax
-  model = specjax.load(args.model, attention_impl=args.attention_impl)
+  model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype)
   engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len)
   return _generate_and_print(args, model, engine, prompts, sampling, num_draft=0)
 
@@ -77,13 +80,15 @@ def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) 
     sys.stdout.write(prompts[0])
     stream = lambda row, text: (sys.stdout.write(text), sys.stdout.flush())
   results, stats = engine.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, stream=stream,
-                                   num_draft=num_draft)
+                                   num_draft=num_draft, trace=getattr(args, 'trace', False))
   if args.json:
     rows = []
     for r in results:
       row = {'text': r.text, 'tokens': r.tokens, 'prompt_tokens': r.prompt_tokens, 'finish_reason': r.finish_reason}
       if r.spec is not None:
         row['spec'] = {'drafter': engine.drafter.name, **r.spec.to_json()}
+      if r.trace is not None:
+        row['trace'] = r.trace
       rows.append(row)
     timing = {
         'tokens_per_s': stats.tokens_per_s,
@@ -109,48 +114,61 @@ def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) 
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-  from specjax.drafters import DRAFTERS
-  p.add_argument('--drafter', choices=DRAFTERS, default=None,
-                 help='drafter family (default: draft-model with --draft-model, else ngram)')
-  p.add_argument('--draft-model', '--mtp-model', dest='draft_model', default=None,
-                 help='draft model for --drafter draft-model (same forms as -m); --mtp-model is the mistral.rs spelling')
+  from specjax.drafters import REGISTRY
+  from specjax.drafters.registry import option_fields
+  p.add_argument('--drafter', choices=tuple(REGISTRY), default=None,
+                 help='drafter family (default: draft-model with --draft-model, else ngram): '
+                      + '; '.join(f'{name}: {f.help}' for name, f in REGISTRY.items()))
   p.add_argument('--n-predict', '--mtp-n-predict', dest='n_predict', type=int, default=None,
-                 help='draft depth K per step (default 4, 3 with --mtp); --mtp-n-predict is the mistral.rs spelling')
+                 help='draft depth K per step (default: the family\'s, 4; 3 with --mtp); --mtp-n-predict is the '
+                      'mistral.rs spelling')
   p.add_argument('--mtp', action='store_true',
-                 help="draft with the checkpoint's built-in MTP head (Qwen3.5 / Qwen3-Next mtp.*; "
-                      'same as --drafter mtp; default depth 3)')
+                 help="draft with the checkpoint's built-in MTP head (Qwen3.5 / Qwen3-Next mtp.*; same as --drafter mtp)")
   p.add_argument('--max-draft', type=int, default=8, help='largest K the engine reserves lookahead for')
-  p.add_argument('--ngram-min', type=int, default=1)
-  p.add_argument('--ngram-max', type=int, default=3)
-  p.add_argument('--layers', type=int, default=None, help='layer-skip: target layers used to draft')
+  for name, field in option_fields().items():  # each family's options, from the registry
+    meta = field.metadata
+    p.add_argument(*meta['flags'], dest=name, type=meta['type'], default=None, help=meta['help'])
   p.add_argument('--policy', choices=('fixed', 'tuner', 'load'), default=None,
                  help='draft-depth policy (default: fixed at --n-predict); SPECJAX_POLICY overrides it')
   p.add_argument('--profile', action='store_true',
                  help='time draft and verify separately (one extra host sync per step)')
+  p.add_argument('--trace', action='store_true',
+                 help='with --json: add `trace`, one entry per step: k, drafts (target ids), accepted, emitted')
+
+
+def drafter_kind(args) -> str:
+  """The drafter family the flags ask for (checked before any model is read)."""
+  from specjax.drafters import REGISTRY, get
+  mtp = getattr(args, 'mtp', False)
+  if mtp and args.drafter not in (None, 'mtp'):
+    raise SpecjaxError(f'--mtp drafts with the built-in MTP head; it cannot be combined with --drafter {args.drafter}')
+  kind = 'mtp' if mtp else args.drafter or ('draft-model' if args.draft_model else 'ngram')
+  family = get(kind)
+  own = {f.name for f in dataclasses.fields(family.options)}
+  for other in REGISTRY.values():
+    for f in dataclasses.fields(other.options):
+      if f.name not in own and getattr(args, f.name, None) is not None:
+        raise SpecjaxError(f'{f.metadata["flags"][0]} is an option of --drafter {other.name}, not {kind}')
+  return kind
 
 
 def default_depth(args) -> int:
-  """K when --n-predict is not given: 3 for the built-in MTP head, else 4."""
-  return 3 if getattr(args, 'mtp', False) or args.drafter == 'mtp' else 4
+  """K when --n-predict is not given: the drafter family's default."""
+  from specjax.drafters import get
+  return get(drafter_kind(args)).default_depth
 
 
 def load_engine(args, with_drafter: bool):
   import specjax
-  from specjax.drafters import make_drafter
-  mtp = getattr(args, 'mtp', False) or args.drafter == 'mtp'
-  if mtp and args.drafter not in (None, 'mtp'):
-    raise SpecjaxError(f'--mtp drafts with the built-in MTP head; it cannot be combined with --drafter {args.drafter}')
-  kind = ('mtp' if mtp else args.drafter or ('draft-model' if args.draft_model else 'ngram')) if with_drafter else None
-  if with_drafter and args.draft_model and kind != 'draft-model':
-    raise SpecjaxError(f'--draft-model is only used with --drafter draft-model, not {kind}')
-  if with_drafter and kind == 'draft-model' and not args.draft_model:
-    raise SpecjaxError('--drafter draft-model needs --draft-model PATH')
-  model = specjax.load(args.model, attention_impl=args.attention_impl, mtp=kind == 'mtp')
-  drafter = None
-  if with_drafter:
-    draft = specjax.load(args.draft_model, attention_impl=args.attention_impl) if args.draft_model else None
-    drafter = make_drafter(kind, model, draft_model=draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                           layers=args.layers)
+  from specjax.drafters import get, make_drafter
+  kind = drafter_kind(args) if with_drafter else None
+  family = get(kind) if kind else None
+  options = None
+  if family:  # bad options fail before any weight is read
+    options = family.make_options(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(family.options)})
+  heads = {h: True for h in family.target_heads} if family else {}
+  model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **heads)
+  drafter = make_drafter(kind, model, options) if family else None
   engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages,
                           max_seq_len=args.max_seq_len, drafter=drafter,
                           max_draft=max(args.max_draft, args.n_predict or 0) if with_drafter else 8,
@@ -178,8 +196,8 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
   from specjax import bench
   sampling = sampling_from_args(args)
-  mtp = args.mtp or args.drafter == 'mtp'
-  depths = args.n_predict_list or ([args.n_predict] if args.n_predict else [2, 3, 4, 6] if mtp else [2, 4, 6, 8])
+  from specjax.drafters import get
+  depths = args.n_predict_list or ([args.n_predict] if args.n_predict else list(get(drafter_kind(args)).depths))
   args.max_draft = max(args.max_draft, *depths)
   prompts = bench.load_prompts(args.prompts, args.categories, args.limit)
   if not prompts:
@@ -235,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
   bench.add_argument('--categories', nargs='+', default=None)
   bench.add_argument('--limit', type=int, default=None, help='prompts per category')
   bench.add_argument('--depths', dest='n_predict_list', type=int, nargs='+', default=None,
-                     help='draft depths to compare (default 2 4 6 8, with --mtp 2 3 4 6; or --n-predict)')
+                     help="draft depths to compare (default: the family's tuner candidates, 2 4 6 8; "
+                      'with --mtp 2 3 4 6; or --n-predict)')
   bench.add_argument('--max-new-tokens', type=int, default=64)
   bench.add_argument('--temperature', type=float, default=0.0)
   bench.add_argument('--top-k', type=int, default=0)

@@ -1,4 +1,7 @@
-"""The jitted draft -> verify -> commit step, one executable per draft depth K.
+"""The jitted bodies of generation: prefill chunks, the decode step, and the
+draft -> verify -> commit step, one executable per draft depth K.
+
+All take the model's graphdef and params first and a `DecodeState` (donated).
 
   propose: drafter.propose(...)            -> drafts [B, K], draft_lens, q | None
   verify:  target.forward([last, drafts])  -> logits [B, K + 1, V], taps
@@ -16,13 +19,83 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import sampling as sampling_lib
+from specjax.cache.paged import KVCache
+
 from specjax.drafters.base import DraftContext
+from specjax.models.contract import append
+from specjax.sampling import SamplingParams
 from specjax.verify import verify
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+  cache: KVCache
+  last_tokens: jax.Array  # [B] the newest token of each row, not yet in the cache
+  active: jax.Array  # [B] bool, still generating
+  num_generated: jax.Array  # [B] tokens emitted so far
+  max_new: jax.Array  # [B] token budget per row
+  seq_ids: jax.Array  # [B] ids that seed each row's random draws
+  tokens: jax.Array  # [B, C] every token of each row (prompt + generated), for drafters
+  drafter: Any = ()  # the drafter's own state pytree
+
+
+# ---------------------------------------------------------------- prefill and plain decoding
+
+
+def prefill_chunk(graphdef, params, cache, tokens, query_lens, last_hidden, taps=()):
+  """Appends one chunk of each prompt.
+
+  Returns (cache, hidden of each row's last token, hidden [B, T, D], the
+  residuals after the layers in `taps`, each [B, T, D]).
+  """
+  hidden, cache, tapped = append(nnx.merge(graphdef, params), tokens, cache, query_lens, taps=taps)
+  idx = jnp.maximum(query_lens - 1, 0)
+  chunk_last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
+  return cache, jnp.where((query_lens > 0)[:, None], chunk_last, last_hidden), hidden, tapped
+
+
+def emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams):
+  """Samples each active row's next token from `hidden` [B, D] and updates `state`."""
+  logits = model.logits(hidden).astype(jnp.float32)
+  keys = sampling_lib.row_keys(sampling.seed, state.seq_ids, state.cache.lengths)
+  tokens = sampling_lib.sample(logits, sampling, keys)
+  tokens = jnp.where(state.active, tokens, state.last_tokens)
+  num_generated = state.num_generated + state.active
+  is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
+  active = state.active & ~is_eos & (num_generated < state.max_new)
+  buffer = write_tokens(state.tokens, tokens[:, None], state.cache.lengths, state.active.astype(jnp.int32))
+  return dataclasses.replace(state, last_tokens=tokens, active=active, num_generated=num_generated, tokens=buffer)
+
+
+def drafter_prefill(graphdef, params, dparams, dstate, tokens, query_lens, hidden, taps, drafter):
+  return drafter.prefill(nnx.merge(graphdef, params), dparams, dstate, tokens, query_lens, hidden, taps)
+
+
+def start(graphdef, params, state, last_hidden, eos_ids, sampling):
+  return emit(nnx.merge(graphdef, params), last_hidden, state, eos_ids, sampling)
+
+
+def drafter_start(graphdef, params, dparams, state, drafter):
+  return dataclasses.replace(state, drafter=drafter.start(dparams, state.drafter, draft_context(state)))
+
+
+def decode_step(graphdef, params, state, eos_ids, sampling):
+  """Feeds each active row's last token, samples the next one."""
+  model = nnx.merge(graphdef, params)
+  hidden, cache, _ = append(model, state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
+  state = emit(model, hidden[:, 0], dataclasses.replace(state, cache=cache), eos_ids, sampling)
+  return state, (state.last_tokens, state.active)
+
+
+# ---------------------------------------------------------------- speculative step
 
 
 def write_tokens(
@@ -71,8 +144,7 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
   target = nnx.merge(graphdef, params)
   old_len = state.cache.lengths
   block = jnp.concatenate([state.last_tokens[:, None], prop.drafts], axis=1)  # [B, K + 1]
-  hidden, cache, taps = target.forward(
-      block, state.cache, jnp.where(state.active, k + 1, 0).astype(jnp.int32), taps=drafter.taps)
+  hidden, cache, taps = append(target, block, state.cache, jnp.where(state.active, k + 1, 0), taps=drafter.taps)
   logits = target.logits(hidden).astype(jnp.float32)  # [B, K + 1, V]
   n_accepted, out = verify(logits, prop.drafts, prop.draft_lens, prop.q, sampling, state.seq_ids, old_len + 1)
   hidden = hidden if drafter.reads_hidden else None
@@ -96,11 +168,15 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
   state = dataclasses.replace(state, cache=cache, tokens=tokens, last_tokens=last_tokens, active=active,
                               num_generated=num_generated, drafter=dstate)
   accepted = jnp.where(emitted > 0, n_accepted, 0)
-  return state, (out, emitted, accepted, prop.draft_lens, active)
+  return state, (out, emitted, accepted, prop.draft_lens, active, prop.drafts)
 
 
 def spec_step(graphdef, params, dparams, state, eos_ids, *, drafter, k: int, sampling):
-  """One speculative step; returns (state, (tokens [B, K+1], emitted [B], accepted [B], drafted [B], active [B]))."""
+  """One speculative step.
+
+  Returns (state, (tokens [B, K+1], emitted [B], accepted [B], drafted [B],
+  active [B], drafts [B, K])).
+  """
   static = dict(drafter=drafter, k=k, sampling=sampling)
   state, prop = propose_phase(graphdef, params, dparams, state, **static)
   return verify_phase(graphdef, params, dparams, state, prop, eos_ids, **static)

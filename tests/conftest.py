@@ -44,3 +44,8 @@ def make_cache(model, b, t, page_size=4, num_slots=1, shuffle_pages=False):
   return KVCache.create(model.kv_shapes, num_pages=b * pages_per_seq + 1, page_size=page_size,
                         block_tables=alloc.block_table(list(range(b)), pages_per_seq),
                         state_shapes=model.state_shapes, num_slots=num_slots)
+
+
+def drafter_options(kind: str, *, draft_model=None, layers: int = 2) -> dict:
+  """The options of each drafter family used by the tests (each family takes only its own)."""
+  return {'draft-model': {'draft_model': draft_model}, 'layer-skip': {'layers': layers}}.get(kind, {})

@@ -10,6 +10,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import specjax
+from specjax.models.contract import StepInputs, append
 from specjax import SpecjaxError
 from specjax.cache.paged import KVCache, state_bytes
 from specjax.drafters import make_drafter
@@ -41,7 +42,7 @@ def test_greedy_equals_autoregressive(hybrid, kind):
 
 
 def _forward(model):
-  fwd = jax.jit(lambda params, tokens, cache, lens: nnx.merge(model.graphdef, params).forward(tokens, cache, lens)[:2])
+  fwd = jax.jit(lambda params, tokens, cache, lens: append(nnx.merge(model.graphdef, params), tokens, cache, lens)[:2])
   return lambda tokens, cache, lens: fwd(model.params, jnp.asarray(tokens, jnp.int32), cache,
                                         jnp.asarray(lens, jnp.int32))
 
@@ -150,25 +151,26 @@ def test_mtp_bookkeeping_under_random_acceptance():
   b, n, k, page = 2, 40, 3, 4
   x = rng.integers(3, model.config.vocab_size, (b, n)).astype(np.int32)
   full_cache = _cache(model, b, 1, pages_per_seq=n // page)
-  hidden = np.asarray(target.forward(jnp.asarray(x), full_cache, jnp.full((b,), n, jnp.int32))[0])
+  hidden = np.asarray(append(target, jnp.asarray(x), full_cache, jnp.full((b,), n, jnp.int32))[0])
   tables = np.arange(1, b * (n // page) + 1, dtype=np.int32).reshape(b, n // page)
   state = drafter.init_state(BatchPlan(b, n, b * (n // page) + 1, page, tables, max_draft=k))
   lengths = np.array([9, 6])  # prompt lengths; x[:, L] is each row's last (not yet cached) token
   for start, stop in ((0, 5), (5, 9)):  # two prefill chunks, ragged
     lens = np.clip(lengths - start, 0, stop - start).astype(np.int32)
-    state = drafter.prefill(target, (), state, jnp.asarray(x[:, start:stop]), jnp.asarray(lens),
+    state = drafter.prefill(target, drafter.params(), state, jnp.asarray(x[:, start:stop]), jnp.asarray(lens),
                             jnp.asarray(hidden[:, start:stop]))
   sampling = specjax.SamplingParams(temperature=1.0)
   for _ in range(4):
     ctx = DraftContext(jnp.asarray(x), jnp.asarray(lengths, jnp.int32), jnp.asarray(x[np.arange(b), lengths]),
                        jnp.ones((b,), bool), jnp.arange(b, dtype=jnp.int32))
-    prop = drafter.propose(target, (), state, full_cache, ctx, k, sampling)
+    prop = drafter.propose(target, drafter.params(), state, full_cache, ctx, k, sampling)
     for i in range(b):
       m = lengths[i]
       fresh = KVCache.create(model.kv_shapes[:1], num_pages=n // page + 1, page_size=page,
                              block_tables=np.arange(1, n // page + 1, dtype=np.int32)[None])
-      out, _ = target.mtp(target.embed(jnp.asarray(x[i:i + 1, 1:m + 1])), jnp.asarray(hidden[i:i + 1, :m]), fresh,
-                          jnp.asarray([m], jnp.int32))
+      head = nnx.merge(*model.heads['mtp'])
+      out, _ = head(target.embed(jnp.asarray(x[i:i + 1, 1:m + 1])), jnp.asarray(hidden[i:i + 1, :m]), fresh,
+                    StepInputs.chain(fresh, jnp.asarray([m], jnp.int32), m))
       want = np.asarray(jax.nn.softmax(target.logits(out[0, m - 1])))
       np.testing.assert_allclose(np.asarray(prop.q[i, 0]), want, atol=1e-5)
     emitted = rng.integers(1, k + 2, b)
@@ -176,4 +178,4 @@ def test_mtp_bookkeeping_under_random_acceptance():
     lengths = lengths + emitted
     ctx = DraftContext(jnp.asarray(x), jnp.asarray(lengths, jnp.int32), jnp.asarray(x[np.arange(b), lengths]),
                        jnp.ones((b,), bool), jnp.arange(b, dtype=jnp.int32))
-    state = drafter.commit((), prop.state, ctx, jnp.asarray(emitted, jnp.int32), (), jnp.asarray(verify_hidden))
+    state = drafter.commit(drafter.params(), prop.state, ctx, jnp.asarray(emitted, jnp.int32), (), jnp.asarray(verify_hidden))

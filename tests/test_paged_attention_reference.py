@@ -75,8 +75,10 @@ def dense_expected(q, k, v, lengths, query_lens, *, sliding_window=None,
   out = np.zeros(q.shape, np.float64)
   for bi in range(b):
     ql, kv_len = int(query_lens[bi]), int(lengths[bi])
-    positions = np.arange(kv_len - ql, kv_len)
     new_mask = None if mask is None else mask[bi, :ql, :ql]
+    # A tree node sits at the first new position plus its depth.
+    offsets = np.arange(ql) if mask is None else new_mask.sum(-1) - 1
+    positions = kv_len - ql + offsets
     out[bi, :ql] = ref_dense_attention(
         q[bi, :ql], k[bi], v[bi], positions, kv_len, scale=head_dim**-0.5,
         sliding_window=sliding_window, logit_softcap=logit_softcap,

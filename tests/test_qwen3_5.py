@@ -5,10 +5,12 @@ import os
 import shutil
 
 import jax.numpy as jnp
+from flax import nnx
 import numpy as np
 import pytest
 
 import specjax
+from specjax.models.contract import StepInputs
 from specjax import SpecjaxError
 from specjax.cache.paged import KVCache
 from conftest import FIXTURES, make_cache
@@ -72,7 +74,9 @@ def test_mtp_head_matches_reference(qwen):
   mtp_cache = KVCache.create(model.kv_shapes[:1], num_pages=b * 4 + 1, page_size=4,
                              block_tables=np.arange(1, b * 4 + 1, dtype=np.int32).reshape(b, 4))
   embeds = module.embed(jnp.asarray(ids[:, 1:]))
-  out, _ = module.mtp(embeds, jnp.asarray(ref['hidden'][:, :-1]), mtp_cache, jnp.full((b,), t - 1, jnp.int32))
+  head = nnx.merge(*model.heads['mtp'])
+  lens = jnp.full((b,), t - 1, jnp.int32)
+  out, _ = head(embeds, jnp.asarray(ref['hidden'][:, :-1]), mtp_cache, StepInputs.chain(mtp_cache, lens, t - 1))
   close(np.asarray(module.logits(out)), ref['mtp_logits'])
 
 
@@ -81,7 +85,8 @@ def test_mtp_weights_load_only_when_asked():
   plain = specjax.load(path)
   assert 'mtp' not in plain.params
   with_mtp = specjax.load(path, mtp=True)
-  assert with_mtp.num_params > plain.num_params
+  assert 'mtp' in with_mtp.heads and 'mtp' not in plain.heads
+  assert with_mtp.num_params == plain.num_params  # the head's weights are its own pytree, not the target's
 
 
 def test_config_errors(tmp_path):

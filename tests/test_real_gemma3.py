@@ -59,7 +59,7 @@ def test_speculative_greedy_equals_reference(real_engine, kind, k):
   import specjax
   from specjax.drafters import make_drafter
   rows = REFERENCE['greedy'][:3]
-  drafter = make_drafter(kind, real_engine.model, layers=6)
+  drafter = make_drafter(kind, real_engine.model, **({'layers': 6} if kind == 'layer-skip' else {}))
   engine = specjax.Engine(real_engine.model, drafter=drafter, max_draft=k)
   results, _ = engine.generate([r['prompt'] for r in rows], max_new_tokens=32, num_draft=k)
   for row, result in zip(rows, results):

@@ -14,7 +14,7 @@ from specjax import SpecjaxError
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters import NgramDrafter, make_drafter
 from specjax.step import step_depth, verify_widths
-from conftest import TINY, TINY_SHARDED, perturbed_target
+from conftest import drafter_options, TINY, TINY_SHARDED, perturbed_target
 
 PROMPTS = [
     'def add(a, b):\n    return a + b\n\ndef add(a, b):\n',  # repetitive: n-gram drafts get accepted
@@ -36,7 +36,7 @@ def greedy_reference(tiny_engine):
 
 
 def make(kind, tiny_model, draft_model):
-  return make_drafter(kind, tiny_model, draft_model=draft_model, layers=2)
+  return make_drafter(kind, tiny_model, **drafter_options(kind, draft_model=draft_model))
 
 
 @pytest.mark.parametrize('kind', ['ngram', 'layer-skip', 'draft-model'])
@@ -81,7 +81,7 @@ def test_ngram_drafts_ahead_equal_in_step_lookup(tiny_model):
     engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter(drafts_ahead=ahead))
     results, _ = engine.generate(PROMPTS, max_new_tokens=30, sampling=params, num_draft=6)
     runs.append(([r.tokens for r in results], [(r.spec.drafted, r.spec.accepted, r.spec.target_steps) for r in results]))
-    compiled.append(sorted(dict(key[2])['k'] for key in engine._executables if key[0] == 'spec'))
+    compiled.append(sorted(static['k'] for name, static in engine.executables.names('spec')))
   assert runs[0] == runs[1]
   assert compiled == [[0, 1, 3, 6], [6]]  # one executable per verify width of K = 6, or K + 1 always
 
@@ -120,10 +120,10 @@ def test_rollback_equals_recompute(kind, tiny_model, draft_model):
   eos = jnp.asarray([-1], jnp.int32)
   ids = engine.encode(PROMPTS[:2])
   state = engine.prefill(ids, 40, params, eos)
-  step = engine._step_fn(4, params, state, eos)
+  step = engine.step_fn(4, params, state, eos)
   partial = 0
   for _ in range(6):
-    state, (tokens, emitted, accepted, drafted, active) = step(state)
+    state, (tokens, emitted, accepted, drafted, active, _) = step(state)
     partial += int(np.sum((np.asarray(accepted) < np.asarray(drafted)) & (np.asarray(emitted) > 0)))
   assert partial > 0, 'no partial acceptance happened; the test would prove nothing'
   lengths = np.asarray(state.cache.lengths)
@@ -233,6 +233,6 @@ def test_plain_decoding_skips_the_drafter(tiny_model, draft_model, greedy_refere
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make('draft-model', tiny_model, draft_model))
   results, _ = engine.generate(PROMPTS, max_new_tokens=40, num_draft=0)
   assert [r.tokens for r in results] == greedy_reference
-  assert not [key for key in engine._executables if key[0].startswith('drafter')]
+  assert not engine.executables.names('drafter')
   results, _ = engine.generate(PROMPTS, max_new_tokens=40, num_draft=3)
   assert [r.tokens for r in results] == greedy_reference

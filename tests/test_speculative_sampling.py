@@ -18,7 +18,7 @@ import specjax
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters import make_drafter
-from conftest import perturbed_target
+from conftest import drafter_options, perturbed_target
 
 ROWS = 1024
 ALPHA = 1e-3
@@ -100,7 +100,7 @@ def plain_engine(tiny_model):
 def test_speculative_matches_plain_sampling(kind, setting, tiny_model, plain_engine):
   params = SETTINGS[setting]
   draft = perturbed_target(0.015) if kind == 'draft-model' else None  # q overlaps p partly
-  engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter(kind, tiny_model, draft_model=draft, layers=2))
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter(kind, tiny_model, **drafter_options(kind, draft_model=draft)))
   spec = samples(engine, params, seed=1, num_draft=3)
   plain = samples(plain_engine, params, seed=2)
   for position in range(1, 4):  # position 0 comes from prefill in both

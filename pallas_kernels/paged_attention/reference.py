@@ -8,8 +8,11 @@ Masking (bottom-right aligned): query row i of sequence b sits at absolute
 position `lengths[b] - query_lens[b] + i` and sees key j iff `j <= pos`,
 `j < lengths[b]` and, on sliding layers, `pos - j < sliding_window`. A tree
 `mask [B, Q, Q]` replaces the causal rule among the new tokens (the last
-`query_lens[b]` keys); the length and window rules still apply. Padded query
-rows (`i >= query_lens[b]`) and rows that see no key output zeros.
+`query_lens[b]` keys); the length and window rules still apply. A tree mask
+is ancestor-or-self: row i sits at position `lengths[b] - query_lens[b] +
+depth(i)`, its depth being `sum(mask[b, i]) - 1`, which the window rule uses
+against the cached keys (trees shallower than the window). Padded query rows
+(`i >= query_lens[b]`) and rows that see no key output zeros.
 """
 
 import jax
@@ -67,6 +70,11 @@ def check_inputs(
   if logit_softcap is not None and not logit_softcap > 0:
     raise ValueError(
         f"logit_softcap must be positive or None, got {logit_softcap}")
+
+
+def tree_depths(mask: jax.Array) -> jax.Array:  # [B, Q, Q] -> [B, Q] int32
+  """Depth of each node of an ancestor-or-self tree mask (a causal mask: the row index)."""
+  return jnp.sum(mask.astype(jnp.int32), axis=-1) - 1
 
 
 def _pages_to_gather(
@@ -136,7 +144,8 @@ def ref_paged_attention(
     logits = logit_softcap * jnp.tanh(logits / logit_softcap)
 
   row = jnp.arange(n_q, dtype=jnp.int32)[None, :, None]  # [1, Q, 1]
-  query_pos = first_query_pos[:, None, None] + row  # [B, Q, 1]
+  depth = row if mask is None else tree_depths(mask)[:, :, None]
+  query_pos = first_query_pos[:, None, None] + depth  # [B, Q, 1]
   key_pos = (first_page[:, None, None] * page_size +
              jnp.arange(n_keys, dtype=jnp.int32))  # [B, 1, S]
   visible = (key_pos < lengths[:, None, None]) & (

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import block_sizes as block_sizes_lib
 from pallas_kernels.paged_attention.reference import MASK_VALUE
+from pallas_kernels.paged_attention.reference import tree_depths
 
 # jax >= 0.11 deprecates the Pallas Triton backend: the module warns at import
 # and every Triton pallas_call warns when it is lowered (inside the caller's
@@ -241,7 +242,10 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, query_lens,
   query_of_row = jnp.minimum(jnp.arange(rows_pad, dtype=jnp.int32) // group,
                              n_q)  # n_q marks padding
   row_real = query_of_row[None, :] < query_lens[:, None]
-  row_pos = jnp.where(row_real, first_pos[:, None] + query_of_row[None, :], -1)
+  row_offset = query_of_row[None, :]
+  if mask is not None:  # a tree node sits at first_pos + its depth (see reference.tree_depths)
+    row_offset = jnp.take_along_axis(tree_depths(mask), jnp.minimum(row_offset, n_q - 1).repeat(b, 0), axis=1)
+  row_pos = jnp.where(row_real, first_pos[:, None] + row_offset, -1)
 
   tables = jnp.pad(block_tables.astype(jnp.int32),
                    ((0, 0), (0, -pages_per_seq % pages_per_block)))

@@ -4,7 +4,7 @@ A drafter is a static, hashable description (it is a static argument of the
 jitted step); its weights and state are pytrees passed in explicitly:
 
   init_state(plan)                          -> state        (host, once per batch)
-  prefill(target, params, state, tokens, query_lens, hidden) -> state   (jitted, prompt chunks)
+  prefill(target, params, state, tokens, query_lens, hidden, taps) -> state   (jitted, prompt chunks)
   propose(target, params, state, cache, ctx, k, sampling)
       -> Proposal(drafts [B, K], draft_lens [B], q [B, K, V] | None, state, cache)
   commit(params, state, ctx, n_emitted, taps, hidden) -> state
@@ -17,6 +17,9 @@ hidden states after the layers in `drafter.taps`, from the verify pass, for
 drafters conditioned on them (EAGLE, DFlash); `hidden` is the target's
 final-normed hidden state of the prompt chunk / verify block (`[B, T, D]`,
 verify blocks padded to K + 1), for drafters with `reads_hidden` (MTP heads).
+Prefill hands them the same for each prompt chunk: `hidden` and the `taps`
+residuals of the chunk (each `[B, T, D]`), so drafters conditioned on target
+features see the whole prompt's.
 
 Drafters whose drafts depend only on the committed tokens (n-gram) may look
 them up ahead (`drafts_ahead`): `start` and `commit` compute the next step's
@@ -83,7 +86,7 @@ class Drafter:
   def init_state(self, plan: BatchPlan) -> Any:
     return ()
 
-  def prefill(self, target, params, state, tokens, query_lens, hidden):
+  def prefill(self, target, params, state, tokens, query_lens, hidden, taps=()):
     return state
 
   def propose(self, target, params, state, cache: KVCache, ctx: DraftContext, k: int, sampling) -> Proposal:

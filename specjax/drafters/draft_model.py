@@ -9,6 +9,7 @@ pending tokens as one ragged block, then drafts K tokens one at a time.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from flax import nnx
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.drafters.registry import DrafterFamily, option
 from specjax.errors import SpecjaxError
 from specjax.models.base import Model
 from specjax.verify import STREAM_SAMPLE
@@ -83,9 +85,9 @@ class DraftModelDrafter(Drafter):
 
   def init_state(self, plan: BatchPlan) -> KVCache:
     return KVCache.create(self.model.kv_shapes, num_pages=plan.num_pages, page_size=plan.page_size,
-                          block_tables=plan.block_tables)
+                          block_tables=plan.block_tables, dtype=self.model.dtype)
 
-  def prefill(self, target, params, state, tokens, query_lens, hidden):
+  def prefill(self, target, params, state, tokens, query_lens, hidden, taps=()):
     _, state = nnx.merge(self.model.graphdef, params)(tokens, state, query_lens)
     return state
 
@@ -103,3 +105,31 @@ class DraftModelDrafter(Drafter):
   def commit(self, params, state: KVCache, ctx: DraftContext, n_emitted, taps, hidden=None):
     # Valid: everything up to the new last token, at most what was written.
     return dataclasses.replace(state, lengths=jnp.minimum(state.lengths, ctx.lengths))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftModelOptions:
+  draft_model: Any = option(None, '--draft-model', '--mtp-model', type=str,
+                            help='draft model (same forms as -m: a loaded Model in Python); '
+                                 '--mtp-model is the mistral.rs spelling')
+
+  def validate(self) -> None:
+    if self.draft_model is None:
+      raise SpecjaxError('--drafter draft-model needs --draft-model PATH')
+
+
+def _build(target: Model, options: DraftModelOptions) -> DraftModelDrafter:
+  draft = options.draft_model
+  if isinstance(draft, str):
+    from specjax.loading import load
+    draft = load(draft, dtype=str(target.dtype) if target.dtype is not None else None)
+  check_compatible(target, draft)
+  if draft.is_hybrid:
+    raise SpecjaxError(f'draft model {draft.source}: hybrid (recurrent-state) draft models are not supported '
+                       'as independent drafters; use --mtp for their built-in head')
+  return DraftModelDrafter(model=draft)
+
+
+FAMILY = DrafterFamily(
+    name='draft-model', options=DraftModelOptions, build=_build, help='an independent smaller model, same vocabulary',
+    label=lambda o: f'draft-model({getattr(o.draft_model, "source", o.draft_model)})')

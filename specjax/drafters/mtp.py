@@ -4,7 +4,8 @@ The MTP head pairs the target's final hidden state h_t with the embedding of
 the next token x_{t+1} and predicts x_{t+2}. Its one attention layer has its
 own paged KV cache (the target's block tables, its own page pool) holding the
 pair at position t for every committed t; it shares the target's embeddings
-and LM head (its weights live in the target's params, `model.mtp`).
+and LM head. Its weights are its own pytree (`model.heads['mtp']`, loaded with
+`specjax.load(..., mtp=True)`), apart from the target's params.
 
 State between steps: the MTP cache (pairs up to its length m) and the target
 hidden states not yet paired (`pending`, positions m .. m + n - 1; their next
@@ -21,13 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.drafters.registry import DrafterFamily
 from specjax.errors import SpecjaxError
+from specjax.models.contract import StepInputs
 from specjax.verify import STREAM_SAMPLE
 
 
@@ -41,26 +47,40 @@ class MTPState:
 
 def check_mtp_target(target) -> None:
   """The target must have been loaded with its MTP head (`specjax.load(..., mtp=True)` / `--mtp`)."""
-  if not getattr(target.config, 'mtp', False):
+  if 'mtp' not in target.heads:
     raise SpecjaxError(f'{target.source}: the MTP drafter needs the model loaded with its MTP head '
                        '(specjax.load(path, mtp=True), or --mtp on the command line)')
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class MTPDrafter(Drafter):
-  kv_shape: tuple[int, int] = (1, 1)  # the MTP attention layer's (kv heads, head dim)
+  graphdef: nnx.GraphDef = None  # the MTPHead module
+  head_params: Any = None  # its weights
   hidden_size: int = 1
   name: str = 'mtp'
   provides_q: bool = True
   reads_hidden: bool = True
 
+  def params(self):
+    return self.head_params
+
+  def _head(self, params):
+    return nnx.merge(self.graphdef, params)
+
   def init_state(self, plan: BatchPlan) -> MTPState:
-    cache = KVCache.create([self.kv_shape], num_pages=plan.num_pages, page_size=plan.page_size,
-                           block_tables=plan.block_tables)
-    pending = jnp.zeros((plan.batch, plan.max_draft + 1, self.hidden_size), jnp.float32)
+    layout = self._head(self.head_params).cache_layout()
+    dtype = jax.tree.leaves(self.head_params)[0].dtype
+    cache = KVCache.create(list(layout.kv_shapes), num_pages=plan.num_pages, page_size=plan.page_size,
+                           block_tables=plan.block_tables, dtype=dtype)
+    pending = jnp.zeros((plan.batch, plan.max_draft + 1, self.hidden_size), dtype)
     return MTPState(cache, pending, jnp.zeros((plan.batch,), jnp.int32))
 
-  def prefill(self, target, params, state: MTPState, tokens, query_lens, hidden) -> MTPState:
+  def _run(self, params, target, tokens, hidden, cache, query_lens):
+    """The head over pairs (next tokens [B, T], hidden [B, T, D]) appended to its cache."""
+    inputs = StepInputs.chain(cache, query_lens, tokens.shape[1])
+    return self._head(params)(target.embed(tokens), hidden, cache, inputs)
+
+  def prefill(self, target, params, state: MTPState, tokens, query_lens, hidden, taps=()) -> MTPState:
     # tokens [B, T], hidden [B, T, D]. Pair j of this chunk: (combined[j + 1 - n], tokens[j + 1 - n]),
     # combined = [carried hidden, chunk hiddens]; q - 1 + n pairs; the chunk's last hidden is carried.
     t = tokens.shape[1]
@@ -70,7 +90,7 @@ class MTPDrafter(Drafter):
     pair_hidden = jnp.take_along_axis(combined, idx[..., None], axis=1)
     pair_tokens = jnp.take_along_axis(tokens, jnp.minimum(idx, t - 1), axis=1)
     count = jnp.where(query_lens > 0, query_lens - 1 + carried, 0).astype(jnp.int32)
-    _, cache = target.mtp(target.embed(pair_tokens), pair_hidden, state.cache, count)
+    _, cache = self._run(params, target, pair_tokens, pair_hidden, state.cache, count)
     last = jnp.take_along_axis(hidden, jnp.maximum(query_lens - 1, 0)[:, None, None], axis=1)[:, 0]
     has_new = query_lens > 0
     pending = state.pending.at[:, 0].set(jnp.where(has_new[:, None], last, state.pending[:, 0]))
@@ -82,7 +102,7 @@ class MTPDrafter(Drafter):
     count = jnp.where(ctx.active, state.num_pending, 0).astype(jnp.int32)
     idx = jnp.clip(m[:, None] + 1 + jnp.arange(s)[None, :], 0, ctx.tokens.shape[1] - 1)
     next_tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)  # [B, S] x_{t+1} of each pending pair
-    out, mtp_cache = target.mtp(target.embed(next_tokens), state.pending, state.cache, count)
+    out, mtp_cache = self._run(params, target, next_tokens, state.pending, state.cache, count)
     committed = mtp_cache.lengths
     h = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     step_lens = ctx.active.astype(jnp.int32)
@@ -96,7 +116,7 @@ class MTPDrafter(Drafter):
       if need_q:
         qs.append(sampling_lib.probs(logits, sampling))
       if i < k - 1:
-        out, mtp_cache = target.mtp(target.embed(x[:, None]), h[:, None], mtp_cache, step_lens)
+        out, mtp_cache = self._run(params, target, x[:, None], h[:, None], mtp_cache, step_lens)
         h = out[:, 0]
     mtp_cache = dataclasses.replace(mtp_cache, lengths=committed)  # draft pairs are not committed
     state = MTPState(mtp_cache, state.pending, jnp.where(ctx.active, 0, state.num_pending).astype(jnp.int32))
@@ -108,3 +128,19 @@ class MTPDrafter(Drafter):
     pad = state.pending.shape[1] - hidden.shape[1]
     pending = jnp.pad(hidden.astype(state.pending.dtype), ((0, 0), (0, pad), (0, 0)))
     return MTPState(state.cache, pending, jnp.where(n_emitted > 0, n_emitted, state.num_pending).astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPOptions:
+  """The built-in head has no settings: its depth is the step's K."""
+
+
+def _build(target, options: MTPOptions) -> MTPDrafter:
+  graphdef, params = target.heads['mtp']
+  return MTPDrafter(graphdef=graphdef, head_params=params, hidden_size=target.config.hidden_size)
+
+
+FAMILY = DrafterFamily(
+    name='mtp', options=MTPOptions, build=_build, check=lambda target, o: check_mtp_target(target),
+    depths=(2, 3, 4, 6), default_depth=3, target_heads=('mtp',),
+    help="the checkpoint's built-in MTP head (Qwen3.5 / Qwen3-Next mtp.*)")

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.drafters.registry import DrafterFamily, option
 from specjax.errors import SpecjaxError
 
 
@@ -95,3 +96,19 @@ def ngram_lookup(
   drafts = jnp.take_along_axis(tokens, idx, axis=1)
   draft_lens = jnp.where(found, jnp.clip(seq_lens - start, 0, k), 0)
   return drafts.astype(jnp.int32), draft_lens.astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramOptions:
+  ngram_min: int = option(1, '--ngram-min', help='shortest suffix n-gram to match', type=int)
+  ngram_max: int = option(3, '--ngram-max', help='longest suffix n-gram to match (tried first)', type=int)
+
+  def validate(self) -> None:
+    if not 1 <= self.ngram_min <= self.ngram_max:
+      raise SpecjaxError(f'ngram sizes need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}')
+
+
+FAMILY = DrafterFamily(
+    name='ngram', options=NgramOptions, help='prompt lookup: the continuation of the latest earlier n-gram match',
+    build=lambda target, o: NgramDrafter(n_min=o.ngram_min, n_max=o.ngram_max),
+    label=lambda o: f'ngram({o.ngram_min}..{o.ngram_max})')

@@ -73,35 +73,65 @@ def load_checkpoint(spec: str, *, mtp: bool = False) -> Checkpoint:
   return load_gguf(path)
 
 
-def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto', mtp: bool = False):
-  """Builds the NNX module abstractly, splits it once and fills in the weights."""
+def default_dtype() -> str:
+  """float32 on CPU (bfloat16 is far slower on XLA:CPU), bfloat16 on accelerators."""
+  return 'float32' if jax.default_backend() == 'cpu' else 'bfloat16'
+
+
+DTYPES = ('float32', 'bfloat16', 'float16')
+
+
+def resolve_dtype(dtype: str | None) -> jnp.dtype:
+  name = dtype or default_dtype()
+  if name not in DTYPES:
+    raise SpecjaxError(f'unknown dtype {name!r} (choose from {", ".join(DTYPES)})')
+  return jnp.dtype(name)
+
+
+def fill(abstract: nnx.Module, pure: dict, dtype, source: str) -> tuple[nnx.GraphDef, nnx.State]:
+  """Splits an abstract module once and fills its state from a pure dict of numpy arrays."""
+  graphdef, state = nnx.split(abstract)
+  nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: jnp.asarray(w, dtype), pure))
+  return graphdef, state
+
+
+def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto', mtp: bool = False, dtype: str | None = None):
+  """Builds the NNX module abstractly, splits it once and fills in the weights.
+
+  `mtp=True` also builds the checkpoint's MTP head as its own module and params
+  (`model.heads['mtp']`), apart from the target's params.
+  """
   from specjax.models.base import Model
   arch, family = family_for(ckpt.config, ckpt.source)
   cfg = family.config_from_hf(ckpt.config)
-  if mtp:
-    if not family.has_mtp:
-      raise SpecjaxError(f'{ckpt.source}: {arch} models have no built-in MTP head')
-    cfg = dataclasses.replace(cfg, mtp=True)
-  else:  # a checkpoint's MTP head is only loaded for --mtp
-    for name in [n for n in ckpt.tensors if n.startswith(MTP_PREFIX)]:
-      del ckpt.tensors[name]
-  abstract = nnx.eval_shape(lambda: family.module(cfg, attention_impl=attention_impl))
-  graphdef, state = nnx.split(abstract)
-  pure = family.params_from_hf(cfg, ckpt.tensors)
+  dt = resolve_dtype(dtype)
+  if mtp and not family.has_mtp:
+    raise SpecjaxError(f'{ckpt.source}: {arch} models have no built-in MTP head')
+  heads = {}
+  for name, head in family.heads.items():
+    if name == 'mtp' and not mtp:  # a checkpoint's MTP head is only loaded for --mtp
+      for t in [n for n in ckpt.tensors if n.startswith(head.prefix)]:
+        del ckpt.tensors[t]
+      continue
+    abstract = nnx.eval_shape(lambda: head.build(cfg, attention_impl=attention_impl, dtype=dt))
+    heads[name] = fill(abstract, head.params_from_hf(cfg, ckpt.tensors), dt, ckpt.source)
+  abstract = nnx.eval_shape(lambda: family.build(cfg, attention_impl=attention_impl, dtype=dt))
+  graphdef, state = fill(abstract, family.params_from_hf(cfg, ckpt.tensors), dt, ckpt.source)
   if ckpt.tensors:
     extra = sorted(ckpt.tensors)[:5]
     raise SpecjaxError(f'{ckpt.source}: {len(ckpt.tensors)} unexpected weights, e.g. {extra}')
-  pure = jax.tree.map(jnp.asarray, pure)
-  nnx.replace_by_pure_dict(state, pure)
-  state_shapes = abstract.state_layer_shapes() if hasattr(abstract, 'state_layer_shapes') else []
+  layout = abstract.cache_layout()
   return Model(graphdef, state, cfg, ckpt.tokenizer, ckpt.generation, ckpt.source, arch,
-               kv_shapes=abstract.kv_layer_shapes(), state_shapes=state_shapes)
+               kv_shapes=list(layout.kv_shapes), state_shapes=list(layout.state_shapes), dtype=dt, heads=heads)
 
 
-def load(spec: str, *, attention_impl: str = 'auto', mtp: bool = False):
+def load(spec: str, *, attention_impl: str = 'auto', mtp: bool = False, dtype: str | None = None):
   """Loads a model by demo name (`gemma-3-270m`), local path or hub id.
 
   `mtp=True` also loads the checkpoint's built-in multi-token-prediction head
   (Qwen3.5 / Qwen3-Next `mtp.*`), for `drafters.make_drafter('mtp', model)`.
+  `dtype` ('float32', 'bfloat16'): params and compute; default float32 on CPU,
+  bfloat16 on GPU.
   """
-  return build_model(load_checkpoint(spec, mtp=mtp), attention_impl=attention_impl, mtp=mtp)
+  resolve_dtype(dtype)  # a bad name fails before any weight is read
+  return build_model(load_checkpoint(spec, mtp=mtp), attention_impl=attention_impl, mtp=mtp, dtype=dtype)

@@ -9,24 +9,12 @@ The model families turn that into NNX params (`specjax.models.<family>`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from specjax.errors import SpecjaxError
-
-
-@dataclasses.dataclass
-class GenerationDefaults:
-  """What `generation_config.json` (or GGUF metadata) says about decoding."""
-
-  eos_token_ids: tuple[int, ...] = ()
-  bos_token_id: int | None = None
-  pad_token_id: int | None = None
-  temperature: float | None = None
-  top_k: int | None = None
-  top_p: float | None = None
-  min_p: float | None = None
+from specjax.models.base import GenerationDefaults
+from specjax.models.weights import tensor_taker  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass
@@ -36,17 +24,3 @@ class Checkpoint:
   tokenizer: Any  # specjax.loading.tokenizer.Tokenizer
   generation: GenerationDefaults
   source: str  # where it came from, for manifests and messages
-
-
-def tensor_taker(tensors: dict[str, np.ndarray]) -> Callable[[str, tuple[int, ...]], np.ndarray]:
-  """`take(name, shape)`: pops an HF tensor, with clear errors for a missing one or a wrong shape."""
-
-  def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    w = tensors.pop(name, None)
-    if w is None:
-      raise SpecjaxError(f'checkpoint is missing weight {name!r}')
-    if w.shape != shape:
-      raise SpecjaxError(f'weight {name!r} has shape {tuple(w.shape)}, config expects {shape}')
-    return w
-
-  return take

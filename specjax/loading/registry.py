@@ -9,27 +9,48 @@ from specjax.errors import SpecjaxError
 
 
 @dataclasses.dataclass(frozen=True)
+class Head:
+  """A drafter head some checkpoints of a family carry (built-in MTP): built apart from the target."""
+  build: Callable[..., Any]  # (config, attention_impl=, dtype=, rngs=) -> nnx.Module
+  params_from_hf: Callable[[Any, dict], dict]
+  prefix: str  # HF name prefix of its tensors
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
   config_from_hf: Callable[[dict], Any]
-  module: type  # nnx.Module class taking (config, attention_impl=...)
+  build: Callable[..., Any]  # (config, attention_impl=, dtype=, rngs=) -> nnx.Module (the CausalLM contract)
   params_from_hf: Callable[[Any, dict], dict]
-  has_mtp: bool = False  # checkpoints may carry a built-in MTP head (mtp.*)
+  heads: dict[str, Head] = dataclasses.field(default_factory=dict)
+
+  @property
+  def has_mtp(self) -> bool:
+    return 'mtp' in self.heads
 
 
 def _gemma3() -> Family:
   from specjax.models import gemma3
-  return Family(gemma3.Gemma3Config.from_hf, gemma3.Gemma3, gemma3.params_from_hf)
+  return Family(gemma3.Gemma3Config.from_hf, gemma3.build, gemma3.params_from_hf)
+
+
+def _llama() -> Family:
+  from specjax.models import llama
+  return Family(llama.LlamaConfig.from_hf, llama.build, llama.params_from_hf)
 
 
 def _qwen3_5() -> Family:
   from specjax.models import qwen3_5
-  return Family(qwen3_5.Qwen35Config.from_hf, qwen3_5.Qwen35, qwen3_5.params_from_hf, has_mtp=True)
+  return Family(qwen3_5.Qwen35Config.from_hf, qwen3_5.Qwen35, qwen3_5.params_from_hf,
+                heads={'mtp': Head(qwen3_5.MTPHead, qwen3_5.mtp_params_from_hf, 'mtp.')})
 
 
 # HF `model_type` -> family factory (imported lazily).
 ARCHITECTURES: dict[str, Callable[[], Family]] = {
     'gemma3_text': _gemma3,
     'gemma3': _gemma3,
+    'llama': _llama,  # Llama 2 / 3.x (llama3 RoPE scaling)
+    'mistral': _llama,  # Mistral (optional sliding window)
+    'qwen3': _llama,  # Qwen3 dense (q/k norms)
     'qwen3_5': _qwen3_5,  # Qwen3.5 dense hybrid (multimodal wrapper: text_config)
     'qwen3_5_text': _qwen3_5,
     'qwen3_5_moe': _qwen3_5,  # Qwen3.5 MoE hybrid

@@ -8,7 +8,18 @@ from typing import Any
 import jax
 from flax import nnx
 
-from specjax.loading.checkpoint import GenerationDefaults
+
+@dataclasses.dataclass
+class GenerationDefaults:
+  """What `generation_config.json` (or GGUF metadata) says about decoding."""
+
+  eos_token_ids: tuple[int, ...] = ()
+  bos_token_id: int | None = None
+  pad_token_id: int | None = None
+  temperature: float | None = None
+  top_k: int | None = None
+  top_p: float | None = None
+  min_p: float | None = None
 
 
 @dataclasses.dataclass
@@ -22,6 +33,8 @@ class Model:
   architecture: str
   kv_shapes: list[tuple[int, int]]  # (kv heads, head dim) of each attention layer
   state_shapes: list = dataclasses.field(default_factory=list)  # per recurrent layer (ssm, conv) shapes per row
+  dtype: Any = None  # params and compute dtype (jnp.float32 / jnp.bfloat16)
+  heads: dict[str, Any] = dataclasses.field(default_factory=dict)  # built-in drafter heads, apart from params
 
   @property
   def is_hybrid(self) -> bool:

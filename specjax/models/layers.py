@@ -1,76 +1,27 @@
-"""Layers shared by the model families: norms, rotary embeddings, MLPs.
+"""Blocks shared by every model family: norms, rotary embeddings, attention, MLPs, MoE.
 
-Einsum letters: B batch, T tokens, D model dim, F MLP dim, N query heads,
-K key/value heads, H head dim.
+A family file holds its config, its wiring of these blocks and its weight
+names; nothing here knows a family.
+
+Einsum letters: B batch, T new tokens, S keys, D model dim, F MLP dim, E experts,
+X top-k slots, N query heads, K key/value heads, G query heads per kv head,
+H head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-
-def _zeros(*shape):
-  return nnx.Param(jnp.zeros(shape, jnp.float32))
-
-
-class RMSNorm(nnx.Module):
-  """RMS norm over the last axis, `x * rsqrt(mean(x^2) + eps) * scale`.
-
-  `offset=1.0` gives Gemma's zero-centred form `(1 + w)`; `offset=0.0` the plain
-  weight of Llama, Qwen and Gemma 4.
-  """
-
-  def __init__(self, dim: int, *, eps: float, offset: float = 0.0):
-    self.scale = _zeros(dim)
-    self.eps = eps
-    self.offset = offset
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * (self.offset + self.scale[...])).astype(x.dtype)
-
-
-def apply_rope(
-    x: jax.Array,  # [B, T, N, H]
-    positions: jax.Array,  # [B, T]
-    *,
-    base: float,
-    rotary_dim: int | None = None,
-) -> jax.Array:
-  """NeoX-style rotary embedding (dim i pairs with i + rotary_dim / 2).
-
-  Only the first `rotary_dim` features rotate (partial rotary); the rest pass.
-  """
-  head_dim = x.shape[-1]
-  rotary_dim = rotary_dim or head_dim
-  half = rotary_dim // 2
-  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2 / rotary_dim)
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, half]
-  sin = jnp.sin(angles)[:, :, None, :]
-  cos = jnp.cos(angles)[:, :, None, :]
-  x1, x2 = x[..., :half], x[..., half:rotary_dim]
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  rotated = rotated.astype(x.dtype)
-  if rotary_dim == head_dim:
-    return rotated
-  return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
-
-
-class GatedMLP(nnx.Module):
-  """`down(act(gate(x)) * up(x))`: GeGLU (Gemma) or SwiGLU (Llama, Qwen)."""
-
-  def __init__(self, dim: int, hidden: int, *, activation: str):
-    self.gate_up = _zeros(dim, 2 * hidden)  # gate and up side by side: one pass over the weights
-    self.down = _zeros(hidden, dim)
-    self.activation = activation
-
-  def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D]
-    gate, up = jnp.split(jnp.einsum('btd,df->btf', x, self.gate_up[...]), 2, axis=-1)
-    return jnp.einsum('btf,fd->btd', ACTIVATIONS[self.activation](gate) * up, self.down[...])
-
+from pallas_kernels.paged_attention import MASK_VALUE, paged_attention
+from specjax.cache.paged import write_kv
+from specjax.models.contract import PagedKV, StepInputs
 
 ACTIVATIONS = {
     'gelu_pytorch_tanh': lambda x: jax.nn.gelu(x, approximate=True),
@@ -78,3 +29,280 @@ ACTIVATIONS = {
     'gelu': lambda x: jax.nn.gelu(x, approximate=False),
     'silu': jax.nn.silu,
 }
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, *, fan_in: int | None = None) -> nnx.Param:
+  """A weight drawn from N(0, 1 / fan_in) (fan_in: the first axis by default)."""
+  fan_in = fan_in or shape[0]
+  return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(fan_in**-0.5, dtype))
+
+
+class RMSNorm(nnx.Module):
+  """RMS norm over the last axis, `x * rsqrt(mean(x^2) + eps) * (offset + w)`.
+
+  `offset=1.0` is Gemma 3's and Qwen3.5's zero-centred form (w starts at 0);
+  `offset=0.0` the plain weight of Llama, Qwen3 and Gemma 4 (w starts at 1).
+  """
+
+  def __init__(self, dim: int, *, eps: float, offset: float = 0.0, dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
+    self.eps = eps
+    self.offset = offset
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- rotary embeddings
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """Rotary embedding (NeoX halves: dim i pairs with i + rotary_dim / 2).
+
+  kind:
+    'default'       inverse frequencies base^(-2i / rotary_dim);
+    'linear'        all divided by `factor` (Gemma 3 4B+ full layers);
+    'llama3'        Llama 3.1's smooth split between low and high frequencies;
+    'proportional'  Gemma 4 full layers: the first `rope_angles` frequencies are
+                    base^(-2i / rotary_dim), the rest 0 (those dims pass), over
+                    the whole head, divided by `factor`.
+  `rotary_dim` < head dim rotates only the first `rotary_dim` features (Qwen3.5's
+  partial rotary). `freq_factors` (GGUF `rope_freqs`) divide the frequencies.
+  """
+
+  base: float = 10_000.0
+  rotary_dim: int = 0  # 0: the whole head
+  kind: str = 'default'
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+  rope_angles: int = 0  # 'proportional': rotated frequency pairs
+  freq_factors: tuple[float, ...] = ()
+
+  def inv_freq(self, head_dim: int) -> np.ndarray:  # [rotary_dim / 2] float64
+    dim = self.rotary_dim or head_dim
+    inv = self.base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if self.kind == 'linear':
+      inv = inv / self.factor
+    elif self.kind == 'llama3':
+      low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+      high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+      wavelen = 2 * math.pi / inv
+      smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+          self.high_freq_factor - self.low_freq_factor)
+      smoothed = (1 - smooth) * inv / self.factor + smooth * inv
+      inv = np.where(wavelen > low_wavelen, inv / self.factor,
+                     np.where(wavelen < high_wavelen, inv, smoothed))
+    elif self.kind == 'proportional':
+      inv = np.where(np.arange(inv.size) < self.rope_angles, inv, 0.0) / self.factor
+    elif self.kind != 'default':
+      raise ValueError(f'unknown rope kind {self.kind!r}')
+    if self.freq_factors:
+      inv = inv / np.asarray(self.freq_factors, np.float64)
+    return inv
+
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, N, H]
+      positions: jax.Array,  # [B, T]
+  ) -> jax.Array:
+    head_dim = x.shape[-1]
+    dim = self.rotary_dim or head_dim
+    half = dim // 2
+    inv_freq = jnp.asarray(self.inv_freq(head_dim), jnp.float32)
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, half]
+    sin = jnp.sin(angles)[:, :, None, :]
+    cos = jnp.cos(angles)[:, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:dim]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    if dim == head_dim:
+      return rotated
+    return jnp.concatenate([rotated, x[..., dim:]], axis=-1)
+
+
+# ---------------------------------------------------------------- attention
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """Static options of one attention layer."""
+
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope: Rope
+  scale: float  # multiplies q.k
+  eps: float = 1e-6  # q/k norms
+  qk_norm: bool = False  # per-head RMSNorm of queries and keys
+  norm_offset: float = 0.0  # of the q/k norms
+  window: int | None = None  # sliding window: keys at most window - 1 positions back
+  softcap: float | None = None  # cap * tanh(logits / cap)
+  output_gate: bool = False  # out * sigmoid(gate), the gate packed per head after the query
+
+
+def dense_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, T, K, H]
+    v: jax.Array,  # [B, T, K, H]
+    inputs: StepInputs,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> jax.Array:  # [B, T, N, H]
+  """Attention among the given tokens only (no cache): training and references.
+
+  Token i sees token j iff j < query_lens, `mask[i, j]` (causal j <= i when no
+  mask is given) and, with a window, `positions[i] - positions[j] < window`.
+  Padded rows and rows that see nothing give zeros, as in the paged kernel.
+  """
+  b, t, n, h = q.shape
+  kv = k.shape[2]
+  qg = q.reshape(b, t, kv, n // kv, h)
+  logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=jnp.float32) * scale
+  if softcap:
+    logits = jnp.tanh(logits / softcap) * softcap
+  idx = jnp.arange(t)
+  live = idx[None, :] < inputs.query_lens[:, None]  # [B, T]
+  seen = inputs.mask if inputs.mask is not None else (idx[None, :, None] >= idx[None, None, :])
+  seen = seen & live[:, None, :] & live[:, :, None]
+  if window is not None:
+    seen = seen & (inputs.positions[:, :, None] - inputs.positions[:, None, :] < window)
+  logits = jnp.where(seen[:, None, None], logits, MASK_VALUE)
+  probs = jax.nn.softmax(logits, axis=-1)
+  probs = jnp.where(jnp.any(seen, axis=-1)[:, None, None, :, None], probs, 0.0)
+  out = jnp.einsum('bkgts,bskh->btkgh', probs.astype(v.dtype), v)
+  return out.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+  """GQA attention over the paged KV cache (or over the given tokens alone).
+
+  Options (`AttentionSpec`): q/k norms, RoPE variants, sliding window, logit
+  softcap, sigmoid output gate. q, k, v (and gate) come from one fused
+  `[D, (N + 2K (+ N)) * H]` matrix: one pass over the weights.
+  """
+
+  def __init__(self, dim: int, spec: AttentionSpec, *, impl: str = 'auto', dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q_cols = 2 * n if spec.output_gate else n
+    self.qkv_proj = param(rngs, (dim, (q_cols + 2 * k) * h), dtype)  # query | key | value (| gate)
+    self.o_proj = param(rngs, (n * h, dim), dtype)
+    if spec.qk_norm:
+      self.q_norm = RMSNorm(h, eps=spec.eps, offset=spec.norm_offset, dtype=dtype)
+      self.k_norm = RMSNorm(h, eps=spec.eps, offset=spec.norm_offset, dtype=dtype)
+    self.spec = spec
+    self.impl = impl
+
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, D]
+      inputs: StepInputs,
+      kv: PagedKV | None,
+  ) -> tuple[jax.Array, PagedKV | None]:
+    s = self.spec
+    b, t, _ = x.shape
+    n, k, h = s.num_heads, s.num_kv_heads, s.head_dim
+    qkv = jnp.einsum('btd,de->bte', x, self.qkv_proj[...]).reshape(b, t, -1, h)
+    q, key, value = qkv[:, :, :n], qkv[:, :, n:n + k], qkv[:, :, n + k:n + 2 * k]
+    if s.qk_norm:
+      q, key = self.q_norm(q), self.k_norm(key)
+    q, key = s.rope(q, inputs.positions), s.rope(key, inputs.positions)
+    if kv is None:
+      out = dense_attention(q, key, value, inputs, scale=s.scale, window=s.window, softcap=s.softcap)
+    else:
+      kv = dataclasses.replace(kv, k_pages=write_kv(kv.k_pages, key, inputs.page_ids, inputs.page_slots),
+                               v_pages=write_kv(kv.v_pages, value, inputs.page_ids, inputs.page_slots))
+      out = paged_attention(q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, query_lens=inputs.query_lens,
+                            mask=inputs.mask, sliding_window=s.window, logit_softcap=s.softcap, scale=s.scale,
+                            impl=self.impl)
+    if s.output_gate:
+      out = out * jax.nn.sigmoid(qkv[:, :, n + 2 * k:])
+    return jnp.einsum('bte,ed->btd', out.reshape(b, t, n * h), self.o_proj[...]), kv
+
+
+# ---------------------------------------------------------------- feed-forward
+
+
+class GatedMLP(nnx.Module):
+  """`down(act(gate(x)) * up(x))`: GeGLU (Gemma) or SwiGLU (Llama, Qwen)."""
+
+  def __init__(self, dim: int, hidden: int, *, activation: str, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.gate_up = param(rngs, (dim, 2 * hidden), dtype)  # gate and up side by side: one pass over the weights
+    self.down = param(rngs, (hidden, dim), dtype)
+    self.activation = activation
+
+  def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D]
+    gate, up = jnp.split(jnp.einsum('btd,df->btf', x, self.gate_up[...]), 2, axis=-1)
+    return jnp.einsum('btf,fd->btd', ACTIVATIONS[self.activation](gate) * up, self.down[...])
+
+
+class MoE(nnx.Module):
+  """Top-k routed SwiGLU experts (softmax router), optionally plus a sigmoid-gated shared expert."""
+
+  def __init__(self, dim: int, *, num_experts: int, top_k: int, hidden: int, shared_hidden: int = 0,
+               renormalize: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.router = param(rngs, (dim, num_experts), dtype)
+    self.gate_up = param(rngs, (num_experts, dim, 2 * hidden), dtype, fan_in=dim)
+    self.down = param(rngs, (num_experts, hidden, dim), dtype, fan_in=hidden)
+    self.has_shared = shared_hidden > 0
+    if self.has_shared:
+      self.shared_expert = GatedMLP(dim, shared_hidden, activation='silu', dtype=dtype, rngs=rngs)
+      self.shared_gate = param(rngs, (dim, 1), dtype)
+    self.top_k, self.renormalize = top_k, renormalize
+
+  def __call__(self, x: jax.Array, gather: bool | None = None) -> jax.Array:  # [B, T, D]
+    """`gather`: read only the chosen experts (default: when tokens x top-k < experts)."""
+    b, t, _ = x.shape
+    e = self.router.shape[1]
+    probs = jax.nn.softmax(jnp.einsum('btd,de->bte', x, self.router[...]).astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, self.top_k)  # [B, T, X]
+    if self.renormalize:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights.astype(x.dtype)
+    if b * t * self.top_k < e if gather is None else gather:  # few tokens (decode, verify)
+      gate, up = jnp.split(jnp.einsum('btd,btxdf->btxf', x, self.gate_up[...][experts]), 2, axis=-1)
+      y = jnp.einsum('btxf,btxfd->btxd', jax.nn.silu(gate) * up, self.down[...][experts])
+      out = jnp.einsum('btxd,btx->btd', y, weights)
+    else:  # many tokens (prefill): every expert on every token, weighted
+      combine = jnp.einsum('btxe,btx->bte', jax.nn.one_hot(experts, e, dtype=x.dtype), weights)
+      gate, up = jnp.split(jnp.einsum('btd,edf->btef', x, self.gate_up[...]), 2, axis=-1)
+      y = jnp.einsum('btef,efd->bted', jax.nn.silu(gate) * up, self.down[...])
+      out = jnp.einsum('bted,bte->btd', y, combine)
+    if self.has_shared:
+      out = out + jax.nn.sigmoid(jnp.einsum('btd,do->bto', x, self.shared_gate[...])) * self.shared_expert(x)
+    return out
+
+
+# ---------------------------------------------------------------- decoder block
+
+
+class DecoderBlock(nnx.Module):
+  """Pre-norm residual block around a token mixer and an MLP.
+
+  `sandwich=True` adds Gemma's post-norms on both branch outputs.
+  """
+
+  def __init__(self, dim: int, mixer: nnx.Module, mlp: nnx.Module, *, eps: float, offset: float,
+               sandwich: bool = False, dtype=jnp.float32):
+    norm = lambda: RMSNorm(dim, eps=eps, offset=offset, dtype=dtype)
+    self.mixer_norm = norm()
+    self.mixer = mixer
+    self.mlp_norm = norm()
+    self.mlp = mlp
+    self.sandwich = sandwich
+    if sandwich:
+      self.mixer_post_norm = norm()
+      self.mlp_post_norm = norm()
+
+  def __call__(self, x: jax.Array, mix: Callable) -> tuple[jax.Array, object]:
+    """`mix(mixer, normed_x) -> (out, cache_part)` runs the token mixer; returns (x, cache_part)."""
+    out, part = mix(self.mixer, self.mixer_norm(x))
+    x = x + (self.mixer_post_norm(out) if self.sandwich else out)
+    out = self.mlp(self.mlp_norm(x))
+    return x + (self.mlp_post_norm(out) if self.sandwich else out), part

@@ -8,7 +8,8 @@ by silu(z)); attention with q/k norms, RoPE on the first 25% of each head
 in `q_proj`; SwiGLU MLPs, or a mixture of experts (softmax router, top-k,
 renormalised weights, a shared expert scaled by `sigmoid(shared_expert_gate)`);
 no embedding scale; untied head unless `tie_word_embeddings`. Checkpoints may
-carry a multi-token-prediction head (`mtp.*`), built here when asked for.
+carry a multi-token-prediction head (`mtp.*`): `MTPHead`, a drafter module with
+its own params (`mtp_params_from_hf`), built when asked for.
 
 Decode and verify steps (T <= the cache's state slots) run the recurrent GDN
 form and keep the state after every position; longer prefill chunks run the
@@ -29,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.paged_attention import paged_attention
-from specjax.cache.paged import KVCache, step_layout, write_kv
+from specjax.cache.paged import KVCache
 from specjax.errors import SpecjaxError
-from specjax.loading.checkpoint import tensor_taker
 from specjax.models import gated_deltanet as gdn
-from specjax.models.layers import GatedMLP, RMSNorm, apply_rope
+from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInputs
+from specjax.models.layers import Attention, AttentionSpec, DecoderBlock, GatedMLP, MoE, RMSNorm, Rope, param
+from specjax.models.transformer import mlp_params
+from specjax.models.weights import tensor_taker
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
 MOE_TYPES = ('qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_next')
@@ -68,7 +70,6 @@ class Qwen35Config:
   shared_expert_intermediate_size: int = 0
   norm_topk_prob: bool = True
   fused_gdn_proj: bool = False  # Qwen3-Next packs in_proj_qkvz / in_proj_ba per key-head group
-  mtp: bool = False  # build the MTP head (its weights are then loaded)
   chunk_size: int = 64
 
   @property
@@ -151,68 +152,27 @@ class Qwen35Config:
     if any(not m for m in self.moe_layers) and self.intermediate_size < 1:
       raise SpecjaxError(f'{where}: dense layers need intermediate_size, got {self.intermediate_size}')
 
-
-def _param(*shape):
-  return nnx.Param(jnp.zeros(shape, jnp.float32))
-
-
-def _norm(cfg: Qwen35Config, dim: int) -> RMSNorm:
-  return RMSNorm(dim, eps=cfg.rms_norm_eps, offset=1.0)
-
-
-class GatedAttention(nnx.Module):
-  """Full attention with q/k norms, partial RoPE and a sigmoid output gate."""
-
-  def __init__(self, cfg: Qwen35Config, attention_impl: str):
-    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.qkvg_proj = _param(d, (2 * n + 2 * k) * h)  # query | key | value | gate
-    self.o_proj = _param(n * h, d)
-    self.q_norm = _norm(cfg, h)
-    self.k_norm = _norm(cfg, h)
-    self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
-    self.rotary_dim, self.rope_base = cfg.rotary_dim, cfg.rope_theta
-    self.impl = attention_impl
-
-  def __call__(
-      self,
-      x: jax.Array,  # [B, T, D]
-      positions: jax.Array,  # [B, T]
-      k_pages: jax.Array,  # [K, P, page, H]
-      v_pages: jax.Array,  # [K, P, page, H]
-      slots: tuple[jax.Array, jax.Array],  # page ids, in-page slots, each [B, T]
-      block_tables: jax.Array,  # [B, pages_per_seq]
-      kv_lens: jax.Array,  # [B]
-      query_lens: jax.Array,  # [B]
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    b, t, _ = x.shape
-    n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
-    qkvg = jnp.einsum('btd,de->bte', x, self.qkvg_proj[...]).reshape(b, t, 2 * n + 2 * k, h)
-    q = apply_rope(self.q_norm(qkvg[:, :, :n]), positions, base=self.rope_base, rotary_dim=self.rotary_dim)
-    key = apply_rope(self.k_norm(qkvg[:, :, n:n + k]), positions, base=self.rope_base, rotary_dim=self.rotary_dim)
-    value, gate = qkvg[:, :, n + k:n + 2 * k], qkvg[:, :, n + 2 * k:]
-    k_pages = write_kv(k_pages, key, *slots)
-    v_pages = write_kv(v_pages, value, *slots)
-    out = paged_attention(q, k_pages, v_pages, block_tables, kv_lens, query_lens=query_lens,
-                          scale=h**-0.5, impl=self.impl)
-    out = (out * jax.nn.sigmoid(gate)).reshape(b, t, n * h)
-    return jnp.einsum('bte,ed->btd', out, self.o_proj[...]), k_pages, v_pages
+  def attention_spec(self) -> AttentionSpec:
+    return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
+                         Rope(base=self.rope_theta, rotary_dim=self.rotary_dim), scale=self.head_dim**-0.5,
+                         eps=self.rms_norm_eps, qk_norm=True, norm_offset=1.0, output_gate=True)
 
 
 class GatedDeltaNet(nnx.Module):
   """Linear attention with a delta-rule state, fed by a causal depthwise conv."""
 
-  def __init__(self, cfg: Qwen35Config):
+  def __init__(self, cfg: Qwen35Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     self.dims = (nk, nv, dk, dv)
     self.conv_dim = 2 * nk * dk + nv * dv
     # One matrix for q | k | v (the conv channels), z, b, a.
-    self.in_proj = _param(cfg.hidden_size, self.conv_dim + nv * dv + 2 * nv)
-    self.conv_weight = _param(self.conv_dim, cfg.linear_conv_kernel_dim)
-    self.dt_bias = _param(nv)
-    self.A_log = _param(nv)
-    self.norm = RMSNorm(dv, eps=cfg.rms_norm_eps, offset=0.0)
-    self.out_proj = _param(nv * dv, cfg.hidden_size)
+    self.in_proj = param(rngs, (cfg.hidden_size, self.conv_dim + nv * dv + 2 * nv), dtype)
+    self.conv_weight = param(rngs, (self.conv_dim, cfg.linear_conv_kernel_dim), dtype)
+    self.dt_bias = nnx.Param(jnp.ones((nv,), dtype))
+    self.A_log = nnx.Param(jnp.zeros((nv,), dtype))
+    self.norm = RMSNorm(dv, eps=cfg.rms_norm_eps, offset=0.0, dtype=dtype)
+    self.out_proj = param(rngs, (nv * dv, cfg.hidden_size), dtype)
     self.chunk_size = cfg.chunk_size
 
   def __call__(
@@ -249,162 +209,142 @@ class GatedDeltaNet(nnx.Module):
     return jnp.einsum('bte,ed->btd', out.reshape(b, t, nv * dv), self.out_proj[...]), ssm, conv
 
 
-class SparseMoE(nnx.Module):
-  """Top-k routed experts plus a gated shared expert."""
-
-  def __init__(self, cfg: Qwen35Config):
-    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    self.router = _param(d, e)
-    self.gate_up = _param(e, d, 2 * f)
-    self.down = _param(e, f, d)
-    self.has_shared = cfg.shared_expert_intermediate_size > 0
-    if self.has_shared:
-      self.shared_expert = GatedMLP(d, cfg.shared_expert_intermediate_size, activation='silu')
-      self.shared_gate = _param(d, 1)
-    self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-
-  def __call__(self, x: jax.Array, gather: bool | None = None) -> jax.Array:  # [B, T, D]
-    """`gather`: read only the chosen experts (default: when tokens x top-k < experts)."""
-    b, t, _ = x.shape
-    e = self.router.shape[1]
-    probs = jax.nn.softmax(jnp.einsum('btd,de->bte', x, self.router[...]).astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, self.top_k)  # [B, T, X]
-    if self.renormalize:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    weights = weights.astype(x.dtype)
-    if b * t * self.top_k < e if gather is None else gather:  # few tokens (decode, verify)
-      gate, up = jnp.split(jnp.einsum('btd,btxdf->btxf', x, self.gate_up[...][experts]), 2, axis=-1)
-      y = jnp.einsum('btxf,btxfd->btxd', jax.nn.silu(gate) * up, self.down[...][experts])
-      out = jnp.einsum('btxd,btx->btd', y, weights)
-    else:  # many tokens (prefill): every expert on every token, weighted
-      combine = jnp.einsum('btxe,btx->bte', jax.nn.one_hot(experts, e, dtype=x.dtype), weights)
-      gate, up = jnp.split(jnp.einsum('btd,edf->btef', x, self.gate_up[...]), 2, axis=-1)
-      y = jnp.einsum('btef,efd->bted', jax.nn.silu(gate) * up, self.down[...])
-      out = jnp.einsum('bted,bte->btd', y, combine)
-    if self.has_shared:
-      out = out + jax.nn.sigmoid(jnp.einsum('btd,do->bto', x, self.shared_gate[...])) * self.shared_expert(x)
-    return out
-
-
-class Block(nnx.Module):
-
-  def __init__(self, cfg: Qwen35Config, layer_type: str, moe: bool, attention_impl: str):
-    self.layer_type = layer_type
-    self.input_layernorm = _norm(cfg, cfg.hidden_size)
-    if layer_type == FULL:
-      self.self_attn = GatedAttention(cfg, attention_impl)
-    else:
-      self.linear_attn = GatedDeltaNet(cfg)
-    self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
-    self.mlp = SparseMoE(cfg) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size, activation='silu')
-
-  def __call__(self, x: jax.Array, mixer) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """`mixer(module, normed_x) -> (out, *cache_parts)` runs this layer's token mixer."""
-    out, *parts = mixer(self.self_attn if self.layer_type == FULL else self.linear_attn, self.input_layernorm(x))
-    x = x + out
-    return x + self.mlp(self.post_attention_layernorm(x)), tuple(parts)
+def _block(cfg: Qwen35Config, layer_type: str, moe: bool, attention_impl: str, dtype, rngs) -> DecoderBlock:
+  d = cfg.hidden_size
+  if layer_type == FULL:
+    mixer = Attention(d, cfg.attention_spec(), impl=attention_impl, dtype=dtype, rngs=rngs)
+  else:
+    mixer = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+  if moe:
+    mlp = MoE(d, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.moe_intermediate_size,
+              shared_hidden=cfg.shared_expert_intermediate_size, renormalize=cfg.norm_topk_prob, dtype=dtype,
+              rngs=rngs)
+  else:
+    mlp = GatedMLP(d, cfg.intermediate_size, activation='silu', dtype=dtype, rngs=rngs)
+  return DecoderBlock(d, mixer, mlp, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype)
 
 
 class MTPHead(nnx.Module):
-  """The checkpoint's multi-token-prediction head (`mtp.*`).
+  """The checkpoint's multi-token-prediction head (`mtp.*`), a drafter module apart from the target.
 
   `fc(concat(norm(embed(x_{t+1})), norm(h_t)))` -> one full-attention block with
-  its own paged KV cache -> final norm; the target's head gives the logits.
+  its own paged KV cache -> final norm; the target's embedding and head are
+  shared (passed in, not owned).
   """
 
-  def __init__(self, cfg: Qwen35Config, attention_impl: str):
+  def __init__(self, cfg: Qwen35Config, *, attention_impl: str = 'auto', dtype=jnp.float32,
+               rngs: nnx.Rngs | None = None):
+    rngs = rngs or nnx.Rngs(0)
     d = cfg.hidden_size
-    self.pre_fc_norm_embedding = _norm(cfg, d)
-    self.pre_fc_norm_hidden = _norm(cfg, d)
-    self.fc = _param(2 * d, d)
-    self.layer = Block(cfg, FULL, cfg.num_experts > 0, attention_impl)
-    self.norm = _norm(cfg, d)
+    norm = lambda: RMSNorm(d, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype)
+    self.pre_fc_norm_embedding = norm()
+    self.pre_fc_norm_hidden = norm()
+    self.fc = param(rngs, (2 * d, d), dtype)
+    self.layer = _block(cfg, FULL, cfg.num_experts > 0, attention_impl, dtype, rngs)
+    self.norm = norm()
+
+  def cache_layout(self) -> CacheLayout:
+    spec = self.layer.mixer.spec
+    return CacheLayout(((spec.num_kv_heads, spec.head_dim),))
 
   def __call__(
       self,
       embeds: jax.Array,  # [B, T, D] embeddings of the next tokens
       hidden: jax.Array,  # [B, T, D] target (or previous MTP) final hidden states
-      cache: KVCache,  # one attention layer
-      query_lens: jax.Array,  # [B]
-  ) -> tuple[jax.Array, KVCache]:
+      cache: KVCache | None,  # one attention layer
+      inputs: StepInputs,
+  ) -> tuple[jax.Array, KVCache | None]:
     x = jnp.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
     x = jnp.einsum('bte,ed->btd', x, self.fc[...])
-    positions, slots, kv_lens = step_layout(cache, query_lens, x.shape[1])
-    attend = lambda attn, y: attn(y, positions, cache.k_pages[0], cache.v_pages[0], slots, cache.block_tables,
-                                  kv_lens, query_lens)
-    x, (k_pages, v_pages) = self.layer(x, attend)
-    cache = dataclasses.replace(cache, k_pages=(k_pages,), v_pages=(v_pages,), lengths=kv_lens)
+    kv = None
+    if cache is not None:
+      kv = PagedKV(cache.k_pages[0], cache.v_pages[0], cache.block_tables, cache.lengths + inputs.query_lens)
+    x, kv = self.layer(x, lambda attn, y: attn(y, inputs, kv))
+    if cache is not None:
+      cache = dataclasses.replace(cache, k_pages=(kv.k_pages,), v_pages=(kv.v_pages,), lengths=kv.lengths)
     return self.norm(x), cache
 
 
-class Qwen35(nnx.Module):
-  """Qwen3.5 / Qwen3-Next causal LM. Build with `nnx.eval_shape` and fill from a checkpoint."""
+class Qwen35(ChainAppend, nnx.Module):
+  """Qwen3.5 / Qwen3-Next causal LM (`specjax.models.contract.CausalLM`)."""
 
-  def __init__(self, cfg: Qwen35Config, *, attention_impl: str = 'auto'):
+  def __init__(self, cfg: Qwen35Config, *, attention_impl: str = 'auto', dtype=jnp.float32,
+               rngs: nnx.Rngs | None = None):
+    rngs = rngs or nnx.Rngs(0)
     self.cfg = cfg
-    self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-    self.layers = nnx.List([Block(cfg, t, m, attention_impl)
+    self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, fan_in=cfg.hidden_size)
+    self.layers = nnx.List([_block(cfg, t, m, attention_impl, dtype, rngs)
                             for t, m in zip(cfg.layer_types, cfg.moe_layers or (False,) * cfg.num_layers)])
-    self.norm = _norm(cfg, cfg.hidden_size)
+    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = _param(cfg.hidden_size, cfg.vocab_size)
-    if cfg.mtp:
-      self.mtp = MTPHead(cfg, attention_impl)
+      self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
-  def kv_layer_shapes(self) -> list[tuple[int, int]]:
-    """(kv heads, head dim) of each attention layer, in order."""
-    return [(self.cfg.num_kv_heads, self.cfg.head_dim)] * self.cfg.layer_types.count(FULL)
-
-  def state_layer_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Per-row (ssm, conv) state shapes of each Gated DeltaNet layer."""
+  def cache_layout(self) -> CacheLayout:
+    """(kv heads, head dim) of each attention layer; per-row (ssm, conv) shapes of each Gated DeltaNet layer."""
     c = self.cfg
     ssm = (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
     conv = (c.linear_conv_kernel_dim - 1, 2 * c.linear_num_key_heads * c.linear_key_head_dim
             + c.linear_num_value_heads * c.linear_value_head_dim)
-    return [(ssm, conv)] * c.layer_types.count(LINEAR)
+    return CacheLayout(((c.num_kv_heads, c.head_dim),) * c.layer_types.count(FULL),
+                       ((ssm, conv),) * c.layer_types.count(LINEAR))
 
   def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
-  def __call__(self, tokens, cache, query_lens):
-    hidden, cache, _ = self.forward(tokens, cache, query_lens)
-    return hidden, cache
-
   def forward(
       self,
       tokens: jax.Array,  # [B, T]
-      cache: KVCache,
-      query_lens: jax.Array,  # [B]
+      inputs: StepInputs,
+      cache: KVCache | None,
+      taps: tuple[int, ...] = (),
       *,
       num_layers: int | None = None,
-      taps: tuple[int, ...] = (),
-  ) -> tuple[jax.Array, KVCache, tuple[jax.Array, ...]]:
-    """Appends `tokens`; returns the final-normed hidden `[B, T, D]`, the cache and tapped residuals."""
-    t = tokens.shape[1]
+  ) -> tuple[jax.Array, KVCache | None, tuple[jax.Array, ...]]:
+    """Runs the layers; returns the final-normed hidden `[B, T, D]`, the cache and tapped residuals.
+
+    Without a cache the Gated DeltaNet layers start from a zero state and run
+    the chunked form over the whole block; trees (`inputs.mask`) are refused,
+    since a recurrent state has one history.
+    """
+    if inputs.mask is not None:
+      raise ValueError('tree masks need attention-only models: recurrent (Gated DeltaNet) layers have one history')
+    b, t = tokens.shape
     num_layers = self.cfg.num_layers if num_layers is None else num_layers
-    positions, slots, kv_lens = step_layout(cache, query_lens, t)
-    k_all, v_all = list(cache.k_pages), list(cache.v_pages)
-    ssm_all, conv_all = list(cache.ssm), list(cache.conv)
+    if cache is None:
+      ssm_all = [jnp.zeros((b, 1, *s), jnp.float32) for s, _ in self.cache_layout().state_shapes]
+      conv_all = [jnp.zeros((b, 1, *c), self.embed_tokens.dtype) for _, c in self.cache_layout().state_shapes]
+      state_slot = jnp.zeros((b,), jnp.int32)
+    else:
+      kv_lens = cache.lengths + inputs.query_lens
+      k_all, v_all = list(cache.k_pages), list(cache.v_pages)
+      ssm_all, conv_all, state_slot = list(cache.ssm), list(cache.conv), cache.state_slot
     x, tapped, attn_i, linear_i = self.embed(tokens), {}, 0, 0
     for i in range(num_layers):
       if self.cfg.layer_types[i] == FULL:
         j = attn_i
-        x, (k_all[j], v_all[j]) = self.layers[i](x, lambda attn, y: attn(
-            y, positions, k_all[j], v_all[j], slots, cache.block_tables, kv_lens, query_lens))
+        kv = None if cache is None else PagedKV(k_all[j], v_all[j], cache.block_tables, kv_lens)
+        x, kv = self.layers[i](x, lambda attn, y: attn(y, inputs, kv))
+        if cache is not None:
+          k_all[j], v_all[j] = kv.k_pages, kv.v_pages
         attn_i += 1
       else:
         j = linear_i
-        x, (ssm_all[j], conv_all[j]) = self.layers[i](x, lambda net, y: net(
-            y, ssm_all[j], conv_all[j], cache.state_slot, query_lens))
+
+        def delta_net(net, y):
+          out, ssm, conv = net(y, ssm_all[j], conv_all[j], state_slot, inputs.query_lens)
+          return out, (ssm, conv)
+
+        x, (ssm_all[j], conv_all[j]) = self.layers[i](x, delta_net)
         linear_i += 1
       if i in taps:
         tapped[i] = x
-    recurrent = t <= cache.num_slots
-    state_slot = jnp.maximum(query_lens - 1, 0) if recurrent else jnp.zeros_like(query_lens)
-    new_cache = dataclasses.replace(
-        cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens, ssm=tuple(ssm_all),
-        conv=tuple(conv_all), state_slot=state_slot.astype(jnp.int32))
-    return self.norm(x), new_cache, tuple(tapped[i] for i in taps)
+    if cache is not None:
+      recurrent = t <= cache.num_slots
+      slot = jnp.maximum(inputs.query_lens - 1, 0) if recurrent else jnp.zeros_like(inputs.query_lens)
+      cache = dataclasses.replace(
+          cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens, ssm=tuple(ssm_all),
+          conv=tuple(conv_all), state_slot=slot.astype(jnp.int32))
+    return self.norm(x), cache, tuple(tapped[i] for i in taps)
 
   def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
     if self.cfg.tie_word_embeddings:
@@ -444,19 +384,12 @@ def _attention_params(cfg: Qwen35Config, take, p: str) -> dict:
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   query_gate = take(p + 'q_proj.weight', (2 * n * h, d)).reshape(n, 2, h, d)  # per head: query rows, gate rows
   return {
-      'qkvg_proj': np.concatenate([
+      'qkv_proj': np.concatenate([
           query_gate[:, 0].reshape(n * h, d), take(p + 'k_proj.weight', (k * h, d)),
           take(p + 'v_proj.weight', (k * h, d)), query_gate[:, 1].reshape(n * h, d)]).T,
       'o_proj': take(p + 'o_proj.weight', (d, n * h)).T,
       'q_norm': {'scale': take(p + 'q_norm.weight', (h,))},
       'k_norm': {'scale': take(p + 'k_norm.weight', (h,))},
-  }
-
-
-def _mlp_params(take, p: str, d: int, f: int) -> dict:
-  return {
-      'gate_up': np.concatenate([take(p + 'gate_proj.weight', (f, d)), take(p + 'up_proj.weight', (f, d))]).T,
-      'down': take(p + 'down_proj.weight', (d, f)).T,
   }
 
 
@@ -466,7 +399,7 @@ def _moe_params(cfg: Qwen35Config, take, tensors, p: str) -> dict:
     gate_up = take(p + 'experts.gate_up_proj', (e, 2 * f, d)).transpose(0, 2, 1)
     down = take(p + 'experts.down_proj', (e, d, f)).transpose(0, 2, 1)
   else:  # hub layout: one Linear per expert
-    experts = [_mlp_params(take, f'{p}experts.{i}.', d, f) for i in range(e)]
+    experts = [mlp_params(take, f'{p}experts.{i}.', d, f) for i in range(e)]
     gate_up = np.stack([x['gate_up'] for x in experts])
     down = np.stack([x['down'] for x in experts])
     extra = sorted(n for n in tensors if n.startswith(p + 'experts.'))
@@ -474,33 +407,35 @@ def _moe_params(cfg: Qwen35Config, take, tensors, p: str) -> dict:
       raise SpecjaxError(f'checkpoint has weights of experts beyond num_experts={e}, e.g. {extra[0]!r}')
   params = {'router': take(p + 'gate.weight', (e, d)).T, 'gate_up': gate_up, 'down': down}
   if cfg.shared_expert_intermediate_size:
-    params['shared_expert'] = _mlp_params(take, p + 'shared_expert.', d, cfg.shared_expert_intermediate_size)
+    params['shared_expert'] = mlp_params(take, p + 'shared_expert.', d, cfg.shared_expert_intermediate_size)
     params['shared_gate'] = take(p + 'shared_expert_gate.weight', (1, d)).T
   return params
 
 
 def _block_params(cfg: Qwen35Config, take, tensors, p: str, layer_type: str, moe: bool) -> dict:
   d = cfg.hidden_size
-  params = {
-      'input_layernorm': {'scale': take(p + 'input_layernorm.weight', (d,))},
-      'post_attention_layernorm': {'scale': take(p + 'post_attention_layernorm.weight', (d,))},
+  return {
+      'mixer_norm': {'scale': take(p + 'input_layernorm.weight', (d,))},
+      'mixer': (_attention_params(cfg, take, p + 'self_attn.') if layer_type == FULL
+                else _gdn_params(cfg, take, p + 'linear_attn.')),
+      'mlp_norm': {'scale': take(p + 'post_attention_layernorm.weight', (d,))},
       'mlp': (_moe_params(cfg, take, tensors, p + 'mlp.') if moe
-              else _mlp_params(take, p + 'mlp.', d, cfg.intermediate_size)),
+              else mlp_params(take, p + 'mlp.', d, cfg.intermediate_size)),
   }
-  if layer_type == FULL:
-    params['self_attn'] = _attention_params(cfg, take, p + 'self_attn.')
-  else:
-    params['linear_attn'] = _gdn_params(cfg, take, p + 'linear_attn.')
-  return params
 
 
-def params_from_hf(cfg: Qwen35Config, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-  """Maps HF-named tensors (text-only or multimodal-wrapper names) to the pure-dict state of `Qwen35`."""
+def _rename_multimodal(tensors: dict[str, np.ndarray]) -> None:
+  """Text-model names for the multimodal wrapper's `model.language_model.*`; drops the vision tower."""
   for name in list(tensors):
     if name.startswith('model.language_model.'):
       tensors['model.' + name[len('model.language_model.'):]] = tensors.pop(name)
     elif name.startswith(('model.visual.', 'visual.')):
       del tensors[name]  # the vision tower of the multimodal checkpoints is not used
+
+
+def params_from_hf(cfg: Qwen35Config, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+  """Maps HF-named tensors (text-only or multimodal-wrapper names) to the pure-dict state of `Qwen35`."""
+  _rename_multimodal(tensors)
   take = tensor_taker(tensors)
   d = cfg.hidden_size
   moe_layers = cfg.moe_layers or (False,) * cfg.num_layers
@@ -514,12 +449,17 @@ def params_from_hf(cfg: Qwen35Config, tensors: dict[str, np.ndarray]) -> dict[st
     tensors.pop('lm_head.weight', None)
   else:
     params['lm_head'] = take('lm_head.weight', (cfg.vocab_size, d)).T
-  if cfg.mtp:
-    params['mtp'] = {
-        'pre_fc_norm_embedding': {'scale': take('mtp.pre_fc_norm_embedding.weight', (d,))},
-        'pre_fc_norm_hidden': {'scale': take('mtp.pre_fc_norm_hidden.weight', (d,))},
-        'fc': take('mtp.fc.weight', (d, 2 * d)).T,
-        'layer': _block_params(cfg, take, tensors, 'mtp.layers.0.', FULL, cfg.num_experts > 0),
-        'norm': {'scale': take('mtp.norm.weight', (d,))},
-    }
   return params
+
+
+def mtp_params_from_hf(cfg: Qwen35Config, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+  """Maps the checkpoint's `mtp.*` tensors to the pure-dict state of an `MTPHead`."""
+  take = tensor_taker(tensors)
+  d = cfg.hidden_size
+  return {
+      'pre_fc_norm_embedding': {'scale': take('mtp.pre_fc_norm_embedding.weight', (d,))},
+      'pre_fc_norm_hidden': {'scale': take('mtp.pre_fc_norm_hidden.weight', (d,))},
+      'fc': take('mtp.fc.weight', (d, 2 * d)).T,
+      'layer': _block_params(cfg, take, tensors, 'mtp.layers.0.', FULL, cfg.num_experts > 0),
+      'norm': {'scale': take('mtp.norm.weight', (d,))},
+  }

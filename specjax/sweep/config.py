@@ -33,7 +33,17 @@ from specjax.bench import SPEC_BENCH
 from specjax.errors import SpecjaxError
 
 SECTIONS = ('drafter', 'sampling', 'prompts', 'policy')
-NULLABLE = {'drafter.draft_model': str, 'drafter.layers': int, 'prompts.limit': int}
+NULLABLE = {'prompts.limit': int}  # plus every drafter option that defaults to None (`_drafter_schema`)
+
+
+def _drafter_schema() -> dict[str, Any]:
+  """The drafter section: `kind` and every registered family's options with their defaults."""
+  from specjax.drafters.registry import option_fields
+  fields = option_fields()
+  for name, f in fields.items():
+    if f.default is None:
+      NULLABLE[f'drafter.{name}'] = f.metadata['type']
+  return {'kind': 'ngram', **{name: f.default for name, f in fields.items()}}
 CATEGORY_AXIS = 'category'
 
 
@@ -43,13 +53,7 @@ def base_config() -> ml_collections.ConfigDict:
       'name': 'sweep',
       'model': 'gemma-3-270m',  # demo name, HF directory, .gguf file or hub id
       'attention_impl': 'auto',
-      'drafter': {
-          'kind': 'ngram',  # ngram | layer-skip | draft-model | mtp
-          'draft_model': None,  # draft-model: same forms as `model`
-          'ngram_min': 1,
-          'ngram_max': 3,
-          'layers': None,  # layer-skip: target layers (None: a quarter of the target)
-      },
+      'drafter': _drafter_schema(),  # kind (a registered family) and each family's options
       'sampling': {'temperature': 0.0, 'top_k': 0, 'top_p': 1.0, 'min_p': 0.0, 'seed': 0},
       'prompts': {
           'path': SPEC_BENCH,  # Spec-Bench question.jsonl (or any jsonl with prompt/turns + category)

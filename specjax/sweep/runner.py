@@ -10,6 +10,7 @@ sampling, budget): that baseline is shared by every cell that needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -21,10 +22,6 @@ from specjax.sampling import SamplingParams
 from specjax.sweep import analytics, artifacts, plots as plots_lib
 from specjax.sweep.config import Cell, SweepConfig, expand, resolve, stable_hash
 
-DRAFTER_FIELDS = {'ngram': ('ngram_min', 'ngram_max'), 'layer-skip': ('layers',), 'draft-model': ('draft_model',),
-                  'mtp': ()}
-
-
 def _sampling(cell: Cell) -> SamplingParams:
   s = cell.section('sampling')
   params = SamplingParams(temperature=s['temperature'], top_k=s['top_k'], top_p=s['top_p'], min_p=s['min_p'],
@@ -32,29 +29,34 @@ def _sampling(cell: Cell) -> SamplingParams:
   return params.validate()
 
 
+def _family(cell: Cell):
+  from specjax.drafters import REGISTRY
+  kind = cell.section('drafter')['kind']
+  if kind not in REGISTRY:
+    raise SpecjaxError(f'unknown drafter {kind!r} in cell {cell.label} (choose from {", ".join(REGISTRY)})')
+  return REGISTRY[kind]
+
+
+def drafter_options(cell: Cell):
+  """The cell's drafter options (its family's fields of the drafter section), validated."""
+  family, d = _family(cell), cell.section('drafter')
+  return family.make_options(**{f.name: d[f.name] for f in dataclasses.fields(family.options)})
+
+
 def drafter_key(cell: Cell) -> tuple:
-  d = cell.section('drafter')
-  if d['kind'] not in DRAFTER_FIELDS:
-    from specjax.drafters import DRAFTERS
-    raise SpecjaxError(f'unknown drafter {d["kind"]!r} in cell {cell.label} (choose from {", ".join(DRAFTERS)})')
-  return (d['kind'],) + tuple(d[f] for f in DRAFTER_FIELDS[d['kind']])
+  family, d = _family(cell), cell.section('drafter')
+  return (family.name,) + tuple(d[f.name] for f in dataclasses.fields(family.options))
 
 
 def drafter_label(cell: Cell) -> str:
-  kind, *fields = drafter_key(cell)
-  if kind == 'ngram':
-    return f'ngram({fields[0]}..{fields[1]})'
-  if kind == 'layer-skip':
-    return f'layer-skip({fields[0] if fields[0] is not None else "auto"})'
-  if kind == 'mtp':
-    return 'mtp'
-  return f'draft-model({os.path.basename(str(fields[0]).rstrip("/"))})'
+  family, d = _family(cell), cell.section('drafter')
+  if family.name == 'draft-model':
+    return f'draft-model({os.path.basename(str(d["draft_model"]).rstrip("/"))})'
+  return family.describe(drafter_options(cell))
 
 
-def _max_depth(kind: str) -> int:
-  from specjax.drafters import DraftModelDrafter, LayerSkipDrafter, MTPDrafter, NgramDrafter
-  return {'ngram': NgramDrafter, 'layer-skip': LayerSkipDrafter, 'draft-model': DraftModelDrafter,
-          'mtp': MTPDrafter}[kind].max_depth
+def _max_depth(cell: Cell) -> int:
+  return _family(cell).max_depth(drafter_options(cell))
 
 
 def make_cell_policy(cell: Cell):
@@ -65,7 +67,7 @@ def make_cell_policy(cell: Cell):
                        '(policy.* or grid.policy): unset it')
   p, kind = cell.section('policy'), drafter_key(cell)[0]
   return policies.make_policy(p['name'], family=kind, candidates=tuple(p['candidates']) or None, k=p['k'],
-                              max_depth=_max_depth(kind))
+                              max_depth=_max_depth(cell))
 
 
 def policy_label(cell: Cell) -> str:
@@ -95,13 +97,7 @@ def _check_cell(cell: Cell) -> None:
       raise SpecjaxError(f'{key} must be at least {low}, got {c[key]} (cell {cell.label})')
   if c['page_size'] & (c['page_size'] - 1):
     raise SpecjaxError(f'page_size must be a power of two, got {c["page_size"]}')
-  d = cell.section('drafter')
-  if d['kind'] == 'draft-model' and not d['draft_model']:
-    raise SpecjaxError('drafter.kind=draft-model needs drafter.draft_model')
-  if d['kind'] == 'ngram' and not 1 <= d['ngram_min'] <= d['ngram_max']:
-    raise SpecjaxError(f'ngram sizes need 1 <= ngram_min <= ngram_max, got {d["ngram_min"]}, {d["ngram_max"]}')
-  if d['kind'] == 'layer-skip' and d['layers'] is not None and d['layers'] < 1:
-    raise SpecjaxError(f'drafter.layers must be at least 1, got {d["layers"]}')
+  drafter_options(cell)
 
 
 class _Prompts:
@@ -154,9 +150,9 @@ class _Workbench:
       key = self._base_key(cell)
       self.max_draft[key] = max(self.max_draft.get(key, 1), *cell_policies[cell.id].candidates)
     keys = {self.engine_key(c, b) for c in cells for b in (False, True)}
-    # Targets of mtp cells load their MTP head (their baselines share that model).
+    # Targets load the heads their cells' drafters need (their baselines share that model).
     self.mtp_models = {(c.config['model'], c.config['attention_impl']) for c in cells
-                       if c.config['drafter.kind'] == 'mtp'}
+                       if 'mtp' in _family(c).target_heads}
     models = {k[:2] for k in keys} | {(c.config['drafter.draft_model'], c.config['attention_impl'])
                                       for c in cells if c.config['drafter.kind'] == 'draft-model'}
     models = {m + (m in self.mtp_models,) for m in models}
@@ -191,10 +187,10 @@ class _Workbench:
       model = self.model(model_spec, impl)
       drafter = None
       if dkey is not None:
-        d = cell.section('drafter')
-        draft = self.model(d['draft_model'], impl) if d['kind'] == 'draft-model' else None
-        drafter = make_drafter(d['kind'], model, draft_model=draft, ngram_min=d['ngram_min'],
-                               ngram_max=d['ngram_max'], layers=d['layers'])
+        options = drafter_options(cell)
+        if dkey[0] == 'draft-model':  # draft models are cached with the targets
+          options = dataclasses.replace(options, draft_model=self.model(options.draft_model, impl))
+        drafter = make_drafter(dkey[0], model, options)
       _ENGINES[key] = specjax.Engine(model, page_size=page_size, drafter=drafter, max_draft=max(max_draft, 1))
     return _ENGINES[key]
 

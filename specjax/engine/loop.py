@@ -1,53 +1,33 @@
-"""Autoregressive generation over the paged KV cache.
+"""The host loop: tokenize, plan the batch, prefill in padded buckets, then one
+jitted step per token (or per speculative step) with the decode state donated.
 
-The host loop: tokenize, reserve pages, prefill in padded buckets, then one
-jitted decode step per token with the decode state donated. Each step does one
-host transfer (the new tokens and the still-active flags). Executables are
-compiled ahead of time per shape bucket and cached on the `Engine`, so steady
-state never recompiles (a shape mismatch would be an error, not a compile).
+Each step does one host transfer (its new tokens, counts and still-active
+flags). Executables are compiled ahead of time per shape bucket and cached on
+the engine (`engine.executables`), so steady state never recompiles (a shape
+mismatch would be an error, not a compile).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import time
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from specjax import sampling as sampling_lib
-from specjax.cache.paged import KVCache, PageAllocator
+from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, Drafter
+from specjax.engine.executables import Executables
+from specjax.engine.planner import BatchLayout, plan_batch
+from specjax.errors import SpecjaxError
 from specjax.metrics import SpecMetrics
-from specjax.policies import Fixed, Policy
-from specjax.step import draft_context, propose_phase, spec_step, step_depth, verify_phase, verify_widths, write_tokens
-from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.models.base import Model
+from specjax.policies import Fixed, Policy
 from specjax.sampling import SamplingParams
-
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
-
-
-def next_pow2(n: int, minimum: int = 1) -> int:
-  return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-  cache: KVCache
-  last_tokens: jax.Array  # [B] the newest token of each row, not yet in the cache
-  active: jax.Array  # [B] bool, still generating
-  num_generated: jax.Array  # [B] tokens emitted so far
-  max_new: jax.Array  # [B] token budget per row
-  seq_ids: jax.Array  # [B] ids that seed each row's random draws
-  tokens: jax.Array  # [B, C] every token of each row (prompt + generated), for drafters
-  drafter: Any = ()  # the drafter's own state pytree
+from specjax.step import (DecodeState, decode_step, drafter_prefill, drafter_start, prefill_chunk, propose_phase,
+                          spec_step, start, step_depth, verify_phase, verify_widths)
 
 
 @dataclasses.dataclass
@@ -57,6 +37,7 @@ class GenerationResult:
   prompt_tokens: int
   finish_reason: str  # "eos" | "length"
   spec: SpecMetrics | None = None  # speculative decoding only
+  trace: list[dict] | None = None  # generate(..., trace=True): one entry per speculative step
 
 
 @dataclasses.dataclass
@@ -80,54 +61,6 @@ class GenerationStats:
   def decode_tokens_per_s(self) -> float:
     """Steady state: tokens after the first over decode time."""
     return (self.generated_tokens - self.rows) / self.decode_s if self.decode_s > 0 else 0.0
-
-
-# ---------------------------------------------------------------- jitted bodies
-
-
-def _prefill_chunk(graphdef, params, cache, tokens, query_lens, last_hidden):
-  """Appends one chunk of each prompt; returns (cache, hidden of each row's last token, hidden [B, T, D])."""
-  model = nnx.merge(graphdef, params)
-  hidden, cache = model(tokens, cache, query_lens)  # [B, T, D]
-  idx = jnp.maximum(query_lens - 1, 0)
-  chunk_last = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
-  return cache, jnp.where((query_lens > 0)[:, None], chunk_last, last_hidden), hidden
-
-
-def _emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams):
-  """Samples each active row's next token from `hidden` [B, D] and updates `state`."""
-  logits = model.logits(hidden).astype(jnp.float32)
-  keys = sampling_lib.row_keys(sampling.seed, state.seq_ids, state.cache.lengths)
-  tokens = sampling_lib.sample(logits, sampling, keys)
-  tokens = jnp.where(state.active, tokens, state.last_tokens)
-  num_generated = state.num_generated + state.active
-  is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
-  active = state.active & ~is_eos & (num_generated < state.max_new)
-  buffer = write_tokens(state.tokens, tokens[:, None], state.cache.lengths, state.active.astype(jnp.int32))
-  return dataclasses.replace(state, last_tokens=tokens, active=active, num_generated=num_generated, tokens=buffer)
-
-
-def _drafter_prefill(graphdef, params, dparams, dstate, tokens, query_lens, hidden, drafter):
-  return drafter.prefill(nnx.merge(graphdef, params), dparams, dstate, tokens, query_lens, hidden)
-
-
-def _start(graphdef, params, state, last_hidden, eos_ids, sampling):
-  return _emit(nnx.merge(graphdef, params), last_hidden, state, eos_ids, sampling)
-
-
-def _drafter_start(graphdef, params, dparams, state, drafter):
-  return dataclasses.replace(state, drafter=drafter.start(dparams, state.drafter, draft_context(state)))
-
-
-def _decode_step(graphdef, params, state, eos_ids, sampling):
-  """Feeds each active row's last token, samples the next one."""
-  model = nnx.merge(graphdef, params)
-  hidden, cache = model(state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
-  state = _emit(model, hidden[:, 0], dataclasses.replace(state, cache=cache), eos_ids, sampling)
-  return state, (state.last_tokens, state.active)
-
-
-# ---------------------------------------------------------------- engine
 
 
 class Engine:
@@ -165,26 +98,14 @@ class Engine:
     self.max_draft = min(max_draft, drafter.max_depth) if drafter else 0
     self.profile = profile
     self.phase_s = [0.0, 0.0]  # draft, verify seconds of the last profiled step
-    self._executables: dict[tuple, Callable] = {}
-    self.compile_s = 0.0
+    self.executables = Executables(model.graphdef, model.params)
 
-  # -- compilation
-
-  def _compiled(self, name: str, fn: Callable, args: tuple, static: dict, donate: tuple[int, ...]):
-    """AOT-compiled `fn` for the shapes of `args`; compiled once per bucket."""
-    shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
-    key = (name, shapes, tuple(sorted(static.items())))
-    exe = self._executables.get(key)
-    if exe is None:
-      t = time.perf_counter()
-      jitted = jax.jit(functools.partial(fn, self.model.graphdef, **static), donate_argnums=donate)
-      exe = jitted.lower(self.model.params, *args).compile()
-      self.compile_s += time.perf_counter() - t
-      self._executables[key] = exe
-    return exe
+  @property
+  def compile_s(self) -> float:
+    return self.executables.compile_s
 
   def _call(self, name, fn, args, static=None, donate=(1,)):
-    return self._compiled(name, fn, args, static or {}, donate)(self.model.params, *args)
+    return self.executables.call(name, fn, args, static, donate)
 
   # -- validation
 
@@ -193,27 +114,10 @@ class Engine:
     """Positions past the token budget a verify step may write."""
     return self.max_draft + 1 if self.drafter else 0
 
-  def _plan(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, int]:
-    """Checks capacity and pages before any work; returns (pages_per_seq, num_pages)."""
-    reserve = max_new_tokens + self.lookahead
-    longest = max(len(p) for p in prompts)
-    for i, p in enumerate(prompts):
-      if not p:
-        raise SpecjaxError(f'prompt {i} is empty (no tokens)')
-      if len(p) + reserve > self.max_seq_len:
-        extra = f' + {self.lookahead} draft lookahead' if self.lookahead else ''
-        raise SpecjaxError(
-            f'prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens}{extra} it needs '
-            f'{len(p) + reserve} positions, over the capacity of {self.max_seq_len}')
-    pages_per_seq = next_pow2(math.ceil((longest + reserve) / self.page_size))
-    batch = next_pow2(len(prompts))
-    num_pages = self.num_pages or batch * pages_per_seq + 1
-    need = sum(math.ceil((len(p) + reserve) / self.page_size) for p in prompts)
-    if need > num_pages - 1:
-      raise OutOfPagesError(
-          f'KV cache out of pages: the batch needs {need} pages of {self.page_size} tokens, '
-          f'the pool has {num_pages - 1} (raise num_pages or lower the batch / max_new_tokens)')
-    return pages_per_seq, num_pages
+  def plan(self, prompts: list[list[int]], max_new_tokens: int) -> BatchLayout:
+    """Checks capacity and pages before any work; the batch's shapes and block tables."""
+    return plan_batch(prompts, max_new_tokens, page_size=self.page_size, max_seq_len=self.max_seq_len,
+                      num_pages=self.num_pages, lookahead=self.lookahead, prefill_chunk=self.prefill_chunk)
 
   def encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
     if isinstance(prompts, str):
@@ -240,35 +144,31 @@ class Engine:
     `drafting=False` (plain decoding on an engine with a drafter) leaves the
     drafter's state at its initial value instead of running the drafter.
     """
-    pages_per_seq, num_pages = self._plan(prompts, max_new_tokens)
-    batch, n = next_pow2(len(prompts)), len(prompts)
-    allocator = PageAllocator(num_pages, self.page_size)
-    for i, p in enumerate(prompts):
-      allocator.allocate(i, len(p) + max_new_tokens + self.lookahead)
-    block_tables = allocator.block_table(list(range(batch)), pages_per_seq)
-    cache = KVCache.create(self.model.kv_shapes, num_pages=num_pages, page_size=self.page_size,
-                           block_tables=block_tables, state_shapes=self.model.state_shapes,
-                           num_slots=max(1, self.lookahead))
-    capacity = pages_per_seq * self.page_size
-    buffer = np.zeros((batch, capacity), np.int32)
+    layout = self.plan(prompts, max_new_tokens)
+    batch, n, lens, chunk = layout.batch, layout.rows, layout.prompt_lens, layout.prefill_chunk
+    cache = KVCache.create(self.model.kv_shapes, num_pages=layout.num_pages, page_size=self.page_size,
+                           block_tables=layout.block_tables, state_shapes=self.model.state_shapes,
+                           dtype=self.model.dtype, num_slots=max(1, self.lookahead))
+    buffer = np.zeros((batch, layout.capacity), np.int32)
     for i, p in enumerate(prompts):
       buffer[i, :len(p)] = p
     dstate, dparams = (), ()
     if self.drafter:
       dparams = self.drafter.params()
-      dstate = self.drafter.init_state(
-          BatchPlan(batch, capacity, num_pages, self.page_size, block_tables, self.max_draft))
-    lens = np.array([len(p) for p in prompts] + [0] * (batch - n))
+      dstate = self.drafter.init_state(BatchPlan(batch, layout.capacity, layout.num_pages, self.page_size,
+                                                 layout.block_tables, self.max_draft))
     longest = int(lens.max())
-    chunk = min(self.prefill_chunk, next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= longest))
-    last_hidden = jnp.zeros((batch, self.model.config.hidden_size), jnp.float32)
-    for start in range(0, longest, chunk):
-      tokens = np.ascontiguousarray(buffer[:, start:start + chunk])
+    last_hidden = jnp.zeros((batch, self.model.config.hidden_size), self.model.dtype)
+    drafting = bool(self.drafter) and drafting
+    taps = {'taps': self.drafter.taps} if drafting and self.drafter.taps else {}
+    for first in range(0, longest, chunk):
+      tokens = np.ascontiguousarray(buffer[:, first:first + chunk])
       tokens = np.pad(tokens, ((0, 0), (0, chunk - tokens.shape[1])))
-      q_lens = np.clip(lens - start, 0, chunk).astype(np.int32)
-      cache, last_hidden, hidden = self._call('prefill', _prefill_chunk, (cache, tokens, q_lens, last_hidden))
-      if self.drafter and drafting:
-        dstate = self._call('drafter_prefill', _drafter_prefill, (dparams, dstate, tokens, q_lens, hidden),
+      q_lens = np.clip(lens - first, 0, chunk).astype(np.int32)
+      cache, last_hidden, hidden, tapped = self._call('prefill', prefill_chunk, (cache, tokens, q_lens, last_hidden),
+                                                      taps)
+      if drafting:
+        dstate = self._call('drafter_prefill', drafter_prefill, (dparams, dstate, tokens, q_lens, hidden, tapped),
                             {'drafter': self.drafter}, donate=(2,))
     state = DecodeState(
         cache=cache,
@@ -280,25 +180,25 @@ class Engine:
         tokens=jnp.asarray(buffer),
         drafter=dstate,
     )
-    state = self._call('start', _start, (state, last_hidden, eos_ids), {'sampling': sampling})
-    if self.drafter and drafting:
-      state = self._call('drafter_start', _drafter_start, (dparams, state), {'drafter': self.drafter}, donate=(2,))
+    state = self._call('start', start, (state, last_hidden, eos_ids), {'sampling': sampling})
+    if drafting:
+      state = self._call('drafter_start', drafter_start, (dparams, state), {'drafter': self.drafter}, donate=(2,))
     return state
 
-  def _step_fn(self, k: int | None, sampling: SamplingParams, state, eos_ids):
+  def step_fn(self, k: int | None, sampling: SamplingParams, state, eos_ids):
     """The compiled speculative step for depth k (None: the autoregressive step) and how to call it."""
     if k is None:
-      exe = self._compiled('decode', _decode_step, (state, eos_ids), {'sampling': sampling}, (1,))
+      exe = self.executables.get('decode', decode_step, (state, eos_ids), {'sampling': sampling})
       return lambda state: exe(self.model.params, state, eos_ids)
     dparams = self.drafter.params()
     static = {'drafter': self.drafter, 'k': k, 'sampling': sampling}
     if not self.profile:
-      exe = self._compiled('spec', spec_step, (dparams, state, eos_ids), static, (2,))
+      exe = self.executables.get('spec', spec_step, (dparams, state, eos_ids), static, (2,))
       return lambda state: exe(self.model.params, dparams, state, eos_ids)
-    propose = self._compiled('propose', propose_phase, (dparams, state), static, (2,))
+    propose = self.executables.get('propose', propose_phase, (dparams, state), static, (2,))
     shapes = jax.eval_shape(lambda s: propose_phase(self.model.graphdef, self.model.params, dparams, s, **static),
                             state)
-    verify_exe = self._compiled('verify', verify_phase, (dparams, *shapes, eos_ids), static, (2,))
+    verify_exe = self.executables.get('verify', verify_phase, (dparams, *shapes, eos_ids), static, (2,))
 
     def profiled(state):
       t = time.perf_counter()
@@ -330,6 +230,7 @@ class Engine:
       request_ids: Sequence[int] | None = None,
       num_draft: int | Policy | None = None,
       policy_state: Any = None,
+      trace: bool = False,
   ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates for a batch of prompts (texts or token ids).
 
@@ -343,6 +244,9 @@ class Engine:
     Random draws are keyed by (seed, request id, position): request ids default
     to the row numbers, so a row's tokens do not depend on the other rows or on
     padding, and a row reruns alone with its request id.
+    `trace=True` records every speculative step of each row in
+    `result.trace`: `{'k', 'drafts', 'accepted', 'emitted'}` (the drafted and
+    the emitted target ids, the accepted count).
     """
     if max_new_tokens < 1:
       raise SpecjaxError(f'max_new_tokens must be at least 1, got {max_new_tokens}')
@@ -368,6 +272,7 @@ class Engine:
     decoders = [self.model.tokenizer.stream() for _ in range(n)]
     generated: list[list[int]] = [[] for _ in range(n)]
     spec = [SpecMetrics(k=k) for _ in range(n)] if k else None
+    traces = [[] for _ in range(n)] if trace and k else None
 
     def emit(row: int, tokens) -> None:
       for token in tokens:
@@ -380,7 +285,7 @@ class Engine:
     state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids, drafting=bool(policy))
     ahead = bool(policy) and self.drafter.drafts_ahead
     exec_depths = sorted({w - 1 for d in depths for w in verify_widths(d)}) if ahead else depths
-    steps = {d: self._step_fn(d if policy else None, sampling, state, eos_ids)
+    steps = {d: self.step_fn(d if policy else None, sampling, state, eos_ids)
              for d in exec_depths}  # compiled before the decode clock
     pstate = policy.begin(policy.init() if policy_state is None else policy_state, n) if policy else None
     pending = self.drafter.pending_lens(state.drafter) if ahead else None
@@ -407,9 +312,12 @@ class Engine:
         for i in rows:
           emit(i, tokens[i:i + 1])
       else:
-        tokens, emitted, accepted, drafted, now_active = out
+        tokens, emitted, accepted, drafted, now_active, drafts = out
         for i in rows:
           emit(i, tokens[i, :emitted[i]])
+          if traces is not None:
+            traces[i].append({'k': k_step, 'drafts': drafts[i, :drafted[i]].tolist(), 'accepted': int(accepted[i]),
+                              'emitted': tokens[i, :emitted[i]].tolist()})
           spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]), int(before[i]) if ahead else None)
           spec[i].draft_s += self.phase_s[0] if self.profile else 0.0
           spec[i].verify_s += self.phase_s[1] if self.profile else 0.0
@@ -431,5 +339,6 @@ class Engine:
       text = self.model.tokenizer.decode(generated[i])
       if spec:
         spec[i].total_s = stats.decode_s
-      results.append(GenerationResult(text, generated[i], len(ids[i]), reason, spec[i] if spec else None))
+      results.append(GenerationResult(text, generated[i], len(ids[i]), reason, spec[i] if spec else None,
+                                      traces[i] if traces is not None else None))
     return results, stats

@@ -1,0 +1,101 @@
+"""The one place that names each drafter family.
+
+A family registers a `DrafterFamily`: its options dataclass (whose fields are
+its settings: CLI flags from their metadata, sweep keys `drafter.<field>`), its
+factory, its compatibility check against a target, its depth candidates and
+limits, and what the target must load for it. The CLI, the sweep schema,
+`policies.candidates_for` and `bench` read this registry; adding a drafter
+touches its own file and one registration line (`specjax/drafters/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from specjax.errors import SpecjaxError
+
+
+def option(default: Any, *flags: str, help: str, type: type | None = None, **extra) -> Any:  # noqa: A002
+  """A field of a family's options dataclass, with its CLI flags (the first is canonical) and help."""
+  return dataclasses.field(default=default, metadata={'flags': flags, 'help': help, 'type': type, **extra})
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterFamily:
+  name: str
+  options: type  # frozen dataclass of the family's settings (fields made with `option`)
+  build: Callable[[Any, Any], Any]  # (target Model, options) -> Drafter, after `check`
+  check: Callable[[Any, Any], None] = lambda target, options: None  # raises SpecjaxError if the target can't serve
+  depths: tuple[int, ...] = (2, 4, 6, 8)  # the tuner's candidates (before the cap)
+  default_depth: int = 4  # K when none is given
+  max_depth: Callable[[Any], int] = lambda options: 16  # the deepest K the family drafts
+  target_heads: tuple[str, ...] = ()  # built-in heads the target loads for it (`specjax.load(..., mtp=True)`)
+  label: Callable[[Any], str] | None = None  # a short name for tables, from the options
+  help: str = ''
+
+  def make_options(self, **values) -> Any:
+    """Options from keyword values (None keeps a field's default); unknown names are refused."""
+    fields = {f.name for f in dataclasses.fields(self.options)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+      raise SpecjaxError(f'drafter {self.name!r} has no option {", ".join(unknown)} '
+                         f'(options: {", ".join(sorted(fields)) or "none"})')
+    options = self.options(**{k: v for k, v in values.items() if v is not None})
+    if hasattr(options, 'validate'):
+      options.validate()
+    return options
+
+  def candidates(self, options: Any = None, *, max_depth: int = 8) -> tuple[int, ...]:
+    """Tuner depths, each capped by the family's limit (for these options) and `max_depth`."""
+    if max_depth < 1:
+      raise SpecjaxError(f'max_depth must be at least 1, got {max_depth}')
+    cap = min(max_depth, self.max_depth(options if options is not None else self.options()))
+    return tuple(sorted({min(k, cap) for k in self.depths}))
+
+  def describe(self, options: Any) -> str:
+    return self.label(options) if self.label else self.name
+
+
+REGISTRY: dict[str, DrafterFamily] = {}
+
+
+def register(family: DrafterFamily) -> DrafterFamily:
+  if family.name in REGISTRY:
+    raise ValueError(f'drafter family {family.name!r} is registered twice')
+  REGISTRY[family.name] = family
+  return family
+
+
+def names() -> tuple[str, ...]:
+  return tuple(REGISTRY)
+
+
+def get(name: str) -> DrafterFamily:
+  family = REGISTRY.get(name)
+  if family is None:
+    raise SpecjaxError(f'unknown drafter {name!r} (choose from {", ".join(REGISTRY)})')
+  return family
+
+
+def option_fields() -> dict[str, dataclasses.Field]:
+  """Every family's option fields by name (a name shared by two families must mean the same)."""
+  out = {}
+  for family in REGISTRY.values():
+    for f in dataclasses.fields(family.options):
+      out.setdefault(f.name, f)
+  return out
+
+
+def make_drafter(kind: str, target, options: Any = None, **values):
+  """Builds a drafter of family `kind` for `target` (a loaded Model), checking compatibility first.
+
+  `options` is the family's options dataclass; or give its fields as keywords.
+  """
+  family = get(kind)
+  if options is None:
+    options = family.make_options(**values)
+  elif values:
+    raise SpecjaxError('give a drafter options object or keyword options, not both')
+  family.check(target, options)
+  return family.build(target, options)

@@ -1,0 +1,163 @@
+"""A decoder-only transformer of attention layers, configured per family.
+
+Gemma 3, Llama 3, Mistral and Qwen3 differ only in options of the shared blocks
+(`specjax.models.layers`): norm offset and sandwich norms, embedding scale, q/k
+norms, windows and RoPE per layer, softcaps, activation, tied head. A family
+file turns its HF config into a `DecoderSpec` and its weight names into params.
+
+Einsum letters: B batch, T tokens, D model, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.cache.paged import KVCache
+from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInputs
+from specjax.models.layers import AttentionSpec, Attention, DecoderBlock, GatedMLP, RMSNorm, param
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  layers: tuple[AttentionSpec, ...]
+  activation: str = 'silu'
+  norm_eps: float = 1e-6
+  norm_offset: float = 0.0  # 1.0: Gemma's (1 + w) norms
+  sandwich_norms: bool = False  # Gemma: post-norms on the attention and MLP outputs
+  embed_scale: bool = False  # Gemma: embeddings times sqrt(D)
+  tie_embeddings: bool = True
+  final_softcap: float | None = None
+
+
+class DecoderLM(ChainAppend, nnx.Module):
+  """Causal LM over the paged KV cache (`specjax.models.contract.CausalLM`).
+
+  The embedding is stored `[D, V]`: the tied head is then a plain `x @ W`,
+  which XLA:CPU runs near memory bandwidth (the `[V, D]` form is ~1.6x slower
+  at one token); the lookup gathers columns.
+  """
+
+  def __init__(self, spec: DecoderSpec, *, attention_impl: str = 'auto', dtype=jnp.float32,
+               rngs: nnx.Rngs | None = None):
+    rngs = rngs or nnx.Rngs(0)
+    d = spec.hidden_size
+    self.spec = spec
+    self.embed_tokens = param(rngs, (d, spec.vocab_size), dtype)
+    self.layers = nnx.List([
+        DecoderBlock(d, Attention(d, a, impl=attention_impl, dtype=dtype, rngs=rngs),
+                     GatedMLP(d, spec.intermediate_size, activation=spec.activation, dtype=dtype, rngs=rngs),
+                     eps=spec.norm_eps, offset=spec.norm_offset, sandwich=spec.sandwich_norms, dtype=dtype)
+        for a in spec.layers])
+    self.norm = RMSNorm(d, eps=spec.norm_eps, offset=spec.norm_offset, dtype=dtype)
+    if not spec.tie_embeddings:
+      self.lm_head = param(rngs, (d, spec.vocab_size), dtype)
+
+  def cache_layout(self) -> CacheLayout:
+    return CacheLayout(tuple((a.num_kv_heads, a.head_dim) for a in self.spec.layers))
+
+  def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
+    table = self.embed_tokens[...]
+    x = jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1)
+    if self.spec.embed_scale:
+      x = x * jnp.asarray(self.spec.hidden_size**0.5, table.dtype)
+    return x
+
+  def forward(
+      self,
+      tokens: jax.Array,  # [B, T]
+      inputs: StepInputs,
+      cache: KVCache | None,
+      taps: tuple[int, ...] = (),
+      *,
+      num_layers: int | None = None,
+  ) -> tuple[jax.Array, KVCache | None, tuple[jax.Array, ...]]:
+    """Runs the first `num_layers` layers (all by default), then the final norm.
+
+    Returns the final-normed hidden `[B, T, D]`, the cache (layers past
+    `num_layers` untouched; `None` without one) and the residual stream after
+    each layer in `taps` (each `[B, T, D]`).
+    """
+    num_layers = len(self.spec.layers) if num_layers is None else num_layers
+    x, tapped = self.embed(tokens), {}
+    if cache is not None:
+      kv_lens = cache.lengths + inputs.query_lens
+      k_all, v_all = list(cache.k_pages), list(cache.v_pages)
+    for i in range(num_layers):
+      kv = None if cache is None else PagedKV(k_all[i], v_all[i], cache.block_tables, kv_lens)
+      x, kv = self.layers[i](x, lambda attn, y: attn(y, inputs, kv))
+      if cache is not None:
+        k_all[i], v_all[i] = kv.k_pages, kv.v_pages
+      if i in taps:
+        tapped[i] = x
+    if cache is not None:
+      cache = dataclasses.replace(cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens)
+    return self.norm(x), cache, tuple(tapped[i] for i in taps)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
+    head = self.embed_tokens[...] if self.spec.tie_embeddings else self.lm_head[...]
+    logits = jnp.einsum('...d,dv->...v', hidden, head)
+    cap = self.spec.final_softcap
+    if cap:
+      logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+def block_params(take, p: str, spec: AttentionSpec, d: int, f: int, *, sandwich: bool) -> dict:
+  """HF weights of one decoder layer (prefix `p`, e.g. 'model.layers.3.') as `DecoderBlock` params."""
+  n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
+  norm = lambda name, dim: {'scale': take(p + name + '.weight', (dim,))}
+  attn = {
+      'qkv_proj': np.concatenate([take(p + 'self_attn.q_proj.weight', (n * h, d)),
+                                  take(p + 'self_attn.k_proj.weight', (k * h, d)),
+                                  take(p + 'self_attn.v_proj.weight', (k * h, d))]).T,
+      'o_proj': take(p + 'self_attn.o_proj.weight', (d, n * h)).T,
+  }
+  if spec.qk_norm:
+    attn['q_norm'] = norm('self_attn.q_norm', h)
+    attn['k_norm'] = norm('self_attn.k_norm', h)
+  # HF names of the (pre-attention, pre-MLP[, post-attention, post-MLP]) norms.
+  names = (('input_layernorm', 'pre_feedforward_layernorm', 'post_attention_layernorm',
+                          'post_feedforward_layernorm') if sandwich else ('input_layernorm', 'post_attention_layernorm'))
+  params = {
+      'mixer_norm': norm(names[0], d),
+      'mixer': attn,
+      'mlp_norm': norm(names[1], d),
+      'mlp': mlp_params(take, p + 'mlp.', d, f),
+  }
+  if sandwich:
+    params['mixer_post_norm'] = norm(names[2], d)
+    params['mlp_post_norm'] = norm(names[3], d)
+  return params
+
+
+def mlp_params(take, p: str, d: int, f: int) -> dict:
+  """HF `gate_proj` / `up_proj` / `down_proj` (prefix `p`) as `GatedMLP` params."""
+  return {
+      'gate_up': np.concatenate([take(p + 'gate_proj.weight', (f, d)), take(p + 'up_proj.weight', (f, d))]).T,
+      'down': take(p + 'down_proj.weight', (d, f)).T,
+  }
+
+
+def decoder_params(spec: DecoderSpec, take, tensors: dict) -> dict:
+  """HF weights (`model.embed_tokens`, `model.layers.*`, `model.norm`, `lm_head`) as `DecoderLM` params."""
+  d = spec.hidden_size
+  params = {
+      'embed_tokens': take('model.embed_tokens.weight', (spec.vocab_size, d)).T,
+      'layers': {i: block_params(take, f'model.layers.{i}.', a, d, spec.intermediate_size,
+                                 sandwich=spec.sandwich_norms)
+                 for i, a in enumerate(spec.layers)},
+      'norm': {'scale': take('model.norm.weight', (d,))},
+  }
+  if spec.tie_embeddings:
+    tensors.pop('lm_head.weight', None)
+  else:
+    params['lm_head'] = take('lm_head.weight', (spec.vocab_size, d)).T
+  return params
