@@ -260,17 +260,15 @@ def write_dense_gguf(path, arch, *, tied=False, seed=0, rope=None, rope_factors=
     w.add_token_list(tokens)
     w.add_token_types(token_types)
     w.add_token_merges(merges)
-  if spm:
-    pass
-  elif arch == 'llama':
-    w.add_bos_token_id(special_id(arch, '<|begin_of_text|>'))
-    w.add_eos_token_id(special_id(arch, '<|eot_id|>'))
-    w.add_add_bos_token(True)
-  else:
-    w.add_bos_token_id(special_id(arch, '<|endoftext|>'))
-    w.add_eos_token_id(special_id(arch, '<|im_end|>'))
-    w.add_pad_token_id(special_id(arch, '<|endoftext|>'))
-    w.add_add_bos_token(False)
+    if arch == 'llama':
+      w.add_bos_token_id(special_id(arch, '<|begin_of_text|>'))
+      w.add_eos_token_id(special_id(arch, '<|eot_id|>'))
+      w.add_add_bos_token(True)
+    else:
+      w.add_bos_token_id(special_id(arch, '<|endoftext|>'))
+      w.add_eos_token_id(special_id(arch, '<|im_end|>'))
+      w.add_pad_token_id(special_id(arch, '<|endoftext|>'))
+      w.add_add_bos_token(False)
   for key, (kind, value) in (extra_kv or {}).items():
     getattr(w, f'add_{kind}')(key, value)
 
