@@ -515,3 +515,18 @@ def test_errors(tmp_path, monkeypatch):
   monkeypatch.setattr(gguf_loader, '_dequantize', no_dequantize)
   with pytest.raises(SpecjaxError, match=r'blk\.1\.ffn_down\.weight.*Q2_K'):
     gguf_loader.load_gguf(str(path))
+
+
+@pytest.mark.parametrize('arch', ['llama', 'qwen3'])
+def test_byte_level_stream_matches_decode(arch, llama, qwen3):
+  """Byte-level pieces split UTF-8 characters ('🦙' is 4 pieces): streaming holds them back."""
+  tok = {'llama': llama, 'qwen3': qwen3}[arch][1].tokenizer
+  rng = np.random.default_rng(0)
+  sequences = [tok.encode(t) for t in TEXTS + SPECIAL_TEXTS[arch]]
+  sequences += [rng.integers(0, tok.vocab_size, 12).tolist() for _ in range(50)]
+  for ids in sequences:
+    for skip in (True, False):
+      stream = tok.stream(skip_special_tokens=skip)
+      pieces = [stream.step(i) for i in ids] + [stream.flush()]
+      assert ''.join(pieces) == tok.decode(ids, skip_special_tokens=skip), ids
+      assert '\ufffd' not in ''.join(pieces[:-1]) or '\ufffd' in tok.decode(ids, skip)

@@ -270,9 +270,10 @@ class StreamDecoder:
   """Incremental detokenisation: `step(id)` returns the newly final text.
 
   Text is held back while the last token is a byte piece (or a skipped
-  special token after one), since the next may complete or invalidate a
-  multi-byte UTF-8 character. Joining every `step` result and a final
-  `flush()` gives exactly `decode(all ids)`.
+  special token after one), or while the text decoded so far ends in U+FFFD
+  (a byte-level BPE piece that splits a UTF-8 character), since the next may
+  complete or invalidate a multi-byte character. Joining every `step` result
+  and a final `flush()` gives exactly `decode(all ids)`.
   """
 
   def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
@@ -288,7 +289,7 @@ class StreamDecoder:
     if tok.is_byte_token(token_id) or (
         self._skip_special and tok.is_special_token(token_id)):
       return ''
-    return self._emit()
+    return self._emit(hold_incomplete=True)
 
   def flush(self) -> str:
     """Emits whatever is held back (call once, when generation ends)."""
@@ -297,7 +298,7 @@ class StreamDecoder:
   def _decode(self, ids: list[int]) -> str:
     return self._tokenizer.decode(ids, self._skip_special)
 
-  def _emit(self) -> str:
+  def _emit(self, hold_incomplete: bool = False) -> str:
     if self._emitted == len(self._ids):
       return ''
     # The window restarts at the last chunk only if that chunk has text of its
@@ -305,6 +306,8 @@ class StreamDecoder:
     # `done`, as a one-shot decode would.
     done = self._decode(self._ids[self._start:self._emitted])
     text = self._decode(self._ids[self._start:])
+    if hold_incomplete and text.endswith('\ufffd'):
+      return ''  # maybe a split character: emitting it would break `done`
     if self._decode(self._ids[self._emitted:]):
       self._start = self._emitted
     self._emitted = len(self._ids)
