@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp) -> `Checkpoint`; architecture `gemma3` today.
+"""GGUF files (llama.cpp) -> `Checkpoint`; architectures `gemma3`, `llama`, `qwen3`.
 
 The header (metadata and tensor table) is parsed here from a memory map, which
 reads the 262k-entry vocabulary about 50x faster than `gguf.GGUFReader`;
@@ -29,6 +29,45 @@ in its gemma3 loader; transformers 5.24 fills them in too):
 Tensors: the converter stores every `*norm.weight` of gemma3 as `1 + w`; the
 loader subtracts 1 so the model uses the HF `(1 + w)` RMSNorm form. No Q/K
 permutation is applied (Gemma uses NeoX rope).
+
+Llama / Mistral (`llama`) and Qwen3 dense (`qwen3`), from `<arch>.*` metadata:
+
+- `model_type`: `qwen3` for `qwen3`. For `llama` (the converter writes Llama
+  and Mistral alike, and leaves out Mistral's sliding window): `mistral` if
+  `llama.attention.sliding_window` is set or `general.name`, `general.basename`
+  or `general.base_model.0.name` names a Mistral model (mistral, ministral,
+  mixtral, codestral, devstral, magistral, mathstral), else `llama`. Only
+  `model_type`, `architectures` and `sliding_window` (None when absent, as in
+  llama.cpp) differ; the weights and the other keys are read alike.
+- `head_dim`: `attention.key_length`, else hidden_size / num_heads;
+  `attention.value_length` and `rope.dimension_count` must equal it.
+- `rope_theta`: `rope.freq_base`, else 10000. `max_position_embeddings`:
+  `context_length`, else the HF class default (2048 llama, 131072 mistral,
+  32768 qwen3). `hidden_act` is "silu" (not stored); `attention_bias` False.
+- `rope_scaling`: from `rope.scaling.type` ("linear": factor; "yarn": factor,
+  `original_max_position_embeddings` from `rope.scaling.original_context_length`
+  and beta_fast / beta_slow / attention_factor when stored), else None.
+- Llama 3 RoPE (`llama` only): convert_hf_to_gguf stores HF's `llama3`
+  `rope_scaling` as a tensor, `rope_freqs.weight` (one factor per frequency,
+  `LlamaModel.generate_extra_tensors`), not as metadata. When the factors equal
+  the llama3 formula (rtol 1e-5) for some factor / low_freq_factor /
+  high_freq_factor / original_max_position_embeddings among the usual values
+  (the converter always uses 8192 for the last), `rope_scaling` is that
+  `{'rope_type': 'llama3', ...}` dict, as in the HF config. Otherwise the
+  factors are kept exactly as `rope_freq_factors` (a list of head_dim / 2
+  floats; the model divides the inverse frequencies by them, as llama.cpp
+  does), else `rope_freq_factors` is None. All-ones factors count as absent.
+- `tie_word_embeddings`: true unless an `output.weight` tensor is present.
+- `vocab_size`: rows of `token_embd.weight` (the converter makes the token
+  list and `llama.vocab_size` that long too, padding with `[PADn]` tokens).
+
+Tensors (`llama`, `qwen3`): no norm offset. The converter permutes the rows of
+`attn_q` / `attn_k` for `llama` (`LlamaModel.permute`, applied in
+`LlamaModel.modify_tensors`: HF's rotate-half pairs -> ggml's adjacent pairs,
+`LLAMA_ROPE_TYPE_NORM` in llama.cpp's `llama_model_rope_type`); the loader
+undoes it, so Q/K come back in HF layout. `qwen3` is not permuted
+(`Qwen3Model` keeps `TextModel.modify_tensors`, and llama.cpp runs it with
+`LLAMA_ROPE_TYPE_NEOX`, HF's own pairing).
 
 Generation: EOS ids are `tokenizer.ggml.eos_token_id` plus `eot_token_id` and
 `eom_token_id` when present (transformers stops on the EOS id only; llama.cpp
@@ -88,6 +127,51 @@ _GEMMA3_TOP_NAMES = {
     'output': 'lm_head',
 }
 _LAYER_TENSOR = re.compile(r'blk\.(\d+)\.(\w+)\.weight')
+
+_LLAMA_LAYER_NAMES = {
+    'attn_norm': 'input_layernorm',
+    'attn_q': 'self_attn.q_proj',
+    'attn_k': 'self_attn.k_proj',
+    'attn_v': 'self_attn.v_proj',
+    'attn_output': 'self_attn.o_proj',
+    'ffn_norm': 'post_attention_layernorm',
+    'ffn_gate': 'mlp.gate_proj',
+    'ffn_up': 'mlp.up_proj',
+    'ffn_down': 'mlp.down_proj',
+}
+_QWEN3_LAYER_NAMES = _LLAMA_LAYER_NAMES | {
+    'attn_q_norm': 'self_attn.q_norm',
+    'attn_k_norm': 'self_attn.k_norm',
+}
+_MISTRAL_NAMES = re.compile(
+    r'mistral|ministral|mixtral|codestral|devstral|magistral|mathstral', re.I)
+_ROPE_FREQS = 'rope_freqs.weight'
+
+# Llama 3 `rope_scaling` values tried against `rope_freqs.weight`, most usual
+# first; the factors depend on original_max_position_embeddings only through
+# its ratios to low/high_freq_factor, so 8192 (the converter's) comes first.
+_LLAMA3_FACTORS = (8.0, 32.0, 16.0, 4.0, 2.0, 64.0)
+_LLAMA3_LOW_FREQ = (1.0, 0.5, 2.0, 0.25, 4.0)
+_LLAMA3_HIGH_FREQ = (4.0, 2.0, 8.0, 16.0, 1.0, 32.0)
+_LLAMA3_ORIGINAL_CONTEXT = (8192, 4096, 16384, 32768, 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+  """How one GGUF architecture maps to HF names and values."""
+
+  layer_names: dict[str, str]  # `blk.N.<part>` -> HF name under model.layers.N
+  norm_offset: bool  # norms stored as 1 + w (Gemma)
+  permute_qk: bool  # attn_q / attn_k rows permuted by the converter
+  extra: frozenset[str] = frozenset()  # tensors read into the config
+
+
+_ARCHS = {
+    'gemma3': _Arch(_GEMMA3_LAYER_NAMES, norm_offset=True, permute_qk=False),
+    'llama': _Arch(_LLAMA_LAYER_NAMES, norm_offset=False, permute_qk=True,
+                   extra=frozenset({_ROPE_FREQS})),
+    'qwen3': _Arch(_QWEN3_LAYER_NAMES, norm_offset=False, permute_qk=False),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,9 +286,11 @@ def load_gguf(path: str) -> Checkpoint:
   gguf_file = _GGUFFile(path)
   meta = gguf_file.metadata
   arch = meta.get('general.architecture')
-  if arch != 'gemma3':
+  spec = _ARCHS.get(arch)
+  if spec is None:
     raise SpecjaxError(
-        f'unsupported GGUF architecture {arch!r} in {path} (supported: gemma3)')
+        f'unsupported GGUF architecture {arch!r} in {path}'
+        f' (supported: {", ".join(_ARCHS)})')
 
   # Everything is checked before any tensor is dequantized.
   for info in gguf_file.tensors.values():
@@ -213,16 +299,25 @@ def load_gguf(path: str) -> Checkpoint:
       raise SpecjaxError(
           f'GGUF tensor {info.name} has unsupported type'
           f' {_type_name(info.qtype)} (supported: {supported})')
-  config = _gemma3_config(meta, gguf_file.tensors)
-  hf_names = _gemma3_tensor_names(gguf_file.tensors, config)
+  if arch == 'gemma3':
+    config = _gemma3_config(meta, gguf_file.tensors)
+  else:
+    config = _dense_config(arch, meta, gguf_file)
+  hf_names = _tensor_names(arch, spec, gguf_file.tensors,
+                           config['num_hidden_layers'])
   tokenizer = Tokenizer.from_gguf_fields(meta)
 
   tensors = {}
   for gguf_name, hf_name in hf_names.items():
     info = gguf_file.tensors[gguf_name]
     values = _dequantize(gguf_file.raw(info), info.qtype, info.shape)
-    if gguf_name.endswith('norm.weight'):
+    if spec.norm_offset and gguf_name.endswith('norm.weight'):
       values -= 1.0  # stored as 1 + w
+    if spec.permute_qk and gguf_name.endswith(('.attn_q.weight',
+                                               '.attn_k.weight')):
+      heads = config['num_attention_heads' if '.attn_q.' in gguf_name
+                     else 'num_key_value_heads']
+      values = _unpermute_rope_rows(values, heads, gguf_name)
     tensors[hf_name] = values
   return Checkpoint(
       config=config,
@@ -341,32 +436,232 @@ def _gemma3_config(
   }
 
 
-def _gemma3_tensor_names(
-    tensors: dict[str, _TensorInfo], config: dict[str, Any]
+def _tensor_names(
+    arch: str, spec: _Arch, tensors: dict[str, _TensorInfo], layers: int
 ) -> dict[str, str]:
-  """GGUF name -> HF name for every tensor; unknown or missing ones raise."""
-  layers = config['num_hidden_layers']
+  """GGUF name -> HF name for every tensor; unknown or missing ones raise.
+
+  Tensors in `spec.extra` are read into the config and get no HF name.
+  """
   names = {}
   for gguf_name in tensors:
+    if gguf_name in spec.extra:
+      continue
     top = _GEMMA3_TOP_NAMES.get(gguf_name.removesuffix('.weight'))
     if m := _LAYER_TENSOR.fullmatch(gguf_name):
       layer, part = int(m.group(1)), m.group(2)
-      if layer < layers and part in _GEMMA3_LAYER_NAMES:
+      if layer < layers and part in spec.layer_names:
         names[gguf_name] = (
-            f'model.layers.{layer}.{_GEMMA3_LAYER_NAMES[part]}.weight')
+            f'model.layers.{layer}.{spec.layer_names[part]}.weight')
         continue
     elif top is not None and gguf_name.endswith('.weight'):
       names[gguf_name] = f'{top}.weight'
       continue
-    raise SpecjaxError(f'unexpected tensor {gguf_name} in a gemma3 GGUF file')
+    raise SpecjaxError(f'unexpected tensor {gguf_name} in a {arch} GGUF file')
 
   expected = {'token_embd.weight', 'output_norm.weight'} | {
       f'blk.{i}.{part}.weight'
-      for i in range(layers) for part in _GEMMA3_LAYER_NAMES}
+      for i in range(layers) for part in spec.layer_names}
   if missing := sorted(expected - set(tensors)):
     raise SpecjaxError(
-        f'gemma3 GGUF file lacks {len(missing)} tensor(s), e.g. {missing[0]}')
+        f'{arch} GGUF file lacks {len(missing)} tensor(s), e.g. {missing[0]}')
   return names
+
+
+def _unpermute_rope_rows(
+    values: np.ndarray, heads: int, name: str
+) -> np.ndarray:
+  """Undoes `LlamaModel.permute` (convert_hf_to_gguf) on Q/K rows.
+
+  The converter reshapes rows to `[heads, 2, head_dim / 2]` and swaps the last
+  two axes (HF's rotate-half pairs `(i, i + head_dim / 2)` -> ggml's adjacent
+  pairs `(2i, 2i + 1)`); the inverse swaps them back.
+  """
+  rows = values.shape[0]
+  if rows % (2 * heads):
+    raise SpecjaxError(
+        f'GGUF tensor {name}: {rows} rows do not split into {heads} heads of'
+        ' an even head_dim')
+  return np.ascontiguousarray(
+      values.reshape(heads, rows // heads // 2, 2, *values.shape[1:])
+      .swapaxes(1, 2).reshape(values.shape))
+
+
+def _dense_config(
+    arch: str, meta: dict[str, Any], gguf_file: _GGUFFile
+) -> dict[str, Any]:
+  """HF `LlamaConfig` / `MistralConfig` / `Qwen3Config` keys (rules: above)."""
+  tensors = gguf_file.tensors
+
+  def get(key: str, default: Any = None) -> Any:
+    value = meta.get(f'{arch}.{key}', default)
+    if isinstance(value, list):  # per-layer values: must agree
+      if len(set(value)) != 1:
+        raise SpecjaxError(
+            f'GGUF metadata {arch}.{key} varies across layers ({value[:8]}),'
+            ' which this loader does not support')
+      value = value[0]
+    return value
+
+  def need(key: str) -> Any:
+    if f'{arch}.{key}' not in meta:
+      raise SpecjaxError(f'GGUF metadata lacks {arch}.{key}')
+    return get(key)
+
+  if 'token_embd.weight' not in tensors:
+    raise SpecjaxError('GGUF file has no token_embd.weight tensor')
+  hidden = int(need('embedding_length'))
+  layers = int(need('block_count'))
+  heads = int(need('attention.head_count'))
+  head_dim = int(get('attention.key_length', hidden // heads))
+  for key in ('attention.value_length', 'rope.dimension_count'):
+    if int(get(key, head_dim)) != head_dim:
+      raise SpecjaxError(
+          f'GGUF metadata {arch}.{key} = {get(key)} differs from head_dim'
+          f' {head_dim}, which {arch} models do not support')
+
+  if arch == 'qwen3':
+    model_type, default_context = 'qwen3', 32768
+  elif _is_mistral(meta):
+    model_type, default_context = 'mistral', 131072
+  else:
+    model_type, default_context = 'llama', 2048
+  context = int(get('context_length', default_context))
+  rope_theta = _f32(get('rope.freq_base', 10_000.0))
+  rope_scaling = _rope_scaling_from_metadata(arch, get, context)
+  config = {
+      'architectures': [{'llama': 'LlamaForCausalLM',
+                         'mistral': 'MistralForCausalLM',
+                         'qwen3': 'Qwen3ForCausalLM'}[model_type]],
+      'model_type': model_type,
+      'vocab_size': tensors['token_embd.weight'].shape[0],
+      'hidden_size': hidden,
+      'intermediate_size': int(need('feed_forward_length')),
+      'num_hidden_layers': layers,
+      'num_attention_heads': heads,
+      'num_key_value_heads': int(get('attention.head_count_kv', heads)),
+      'head_dim': head_dim,
+      'hidden_act': 'silu',
+      'rms_norm_eps': _f32(need('attention.layer_norm_rms_epsilon')),
+      'rope_theta': rope_theta,
+      'rope_scaling': rope_scaling,
+      'max_position_embeddings': context,
+      'attention_bias': False,
+      'tie_word_embeddings': 'output.weight' not in tensors,
+      'bos_token_id': meta.get('tokenizer.ggml.bos_token_id'),
+      'eos_token_id': meta.get('tokenizer.ggml.eos_token_id'),
+      'pad_token_id': meta.get('tokenizer.ggml.padding_token_id'),
+  }
+  if arch == 'llama':
+    config['mlp_bias'] = False
+    config['rope_scaling'], config['rope_freq_factors'] = _rope_freqs(
+        gguf_file, rope_theta, head_dim, rope_scaling,
+        get('rope.scaling.original_context_length'))
+  if model_type == 'mistral':
+    window = get('attention.sliding_window')
+    config['sliding_window'] = int(window) if window else None
+  return config
+
+
+def _is_mistral(meta: dict[str, Any]) -> bool:
+  if meta.get('llama.attention.sliding_window'):
+    return True
+  names = (meta.get(k) for k in ('general.name', 'general.basename',
+                                 'general.base_model.0.name'))
+  return any(isinstance(n, str) and _MISTRAL_NAMES.search(n) for n in names)
+
+
+def _rope_scaling_from_metadata(
+    arch: str, get: Any, context: int
+) -> dict[str, Any] | None:
+  """`rope_scaling` from `rope.scaling.*` (llama.cpp's default type: linear)."""
+  kind = get('rope.scaling.type', 'linear')
+  factor = get('rope.scaling.factor', get('rope.scale_linear'))
+  if kind == 'none' or (kind == 'linear' and factor in (None, 0.0, 1.0)):
+    return None
+  if kind == 'linear':
+    return {'rope_type': 'linear', 'factor': _f32(factor)}
+  if kind == 'yarn':
+    scaling = {
+        'rope_type': 'yarn',
+        'factor': _f32(factor if factor else 1.0),
+        'original_max_position_embeddings': int(
+            get('rope.scaling.original_context_length', context)),
+    }
+    for hf_key, gguf_key in (('attention_factor', 'yarn_attn_factor'),
+                             ('beta_fast', 'yarn_beta_fast'),
+                             ('beta_slow', 'yarn_beta_slow')):
+      if (value := get(f'rope.scaling.{gguf_key}')) is not None:
+        scaling[hf_key] = _f32(value)
+    return scaling
+  raise SpecjaxError(
+      f'unsupported {arch}.rope.scaling.type {kind!r} in GGUF metadata'
+      ' (supported: none, linear, yarn)')
+
+
+def _rope_freqs(
+    gguf_file: _GGUFFile,
+    theta: float,
+    head_dim: int,
+    rope_scaling: dict[str, Any] | None,
+    original_context: int | None,
+) -> tuple[dict[str, Any] | None, list[float] | None]:
+  """(`rope_scaling`, `rope_freq_factors`) given `rope_freqs.weight`."""
+  info = gguf_file.tensors.get(_ROPE_FREQS)
+  if info is None:
+    return rope_scaling, None
+  if info.shape != (head_dim // 2,):
+    raise SpecjaxError(
+        f'GGUF tensor {_ROPE_FREQS} has shape {info.shape}, expected'
+        f' ({head_dim // 2},) for head_dim {head_dim}')
+  factors = _dequantize(gguf_file.raw(info), info.qtype, info.shape)
+  if np.all(factors == 1.0):
+    return rope_scaling, None
+  if rope_scaling is None:
+    if llama3 := _match_llama3(factors, theta, head_dim, original_context):
+      return llama3, None
+  return rope_scaling, [_f32(f) for f in factors]
+
+
+def _llama3_factors(
+    theta: float, head_dim: int, factor: float, low: float, high: float,
+    original: int,
+) -> np.ndarray:
+  """Per-frequency factors of HF's `llama3` rope (as the converter computes)."""
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+  wavelen = 2 * math.pi / inv_freq
+  smooth = (original / wavelen - low) / (high - low)
+  return np.where(
+      wavelen < original / high, 1.0,
+      np.where(wavelen > original / low, factor,
+               1.0 / ((1.0 - smooth) / factor + smooth)))
+
+
+def _match_llama3(
+    factors: np.ndarray, theta: float, head_dim: int,
+    original_context: int | None,
+) -> dict[str, Any] | None:
+  """The `llama3` rope_scaling whose factors equal `factors`, if one does."""
+  originals = tuple(dict.fromkeys(
+      ([int(original_context)] if original_context else [])
+      + list(_LLAMA3_ORIGINAL_CONTEXT)))
+  largest = float(np.max(factors))
+  for factor in dict.fromkeys((largest, *_LLAMA3_FACTORS)):
+    for original in originals:
+      for low in _LLAMA3_LOW_FREQ:
+        for high in _LLAMA3_HIGH_FREQ:
+          if high <= low:
+            continue
+          want = _llama3_factors(theta, head_dim, factor, low, high, original)
+          if np.allclose(factors, want, rtol=1e-5, atol=0.0):
+            return {
+                'rope_type': 'llama3',
+                'factor': _f32(factor),
+                'low_freq_factor': low,
+                'high_freq_factor': high,
+                'original_max_position_embeddings': original,
+            }
+  return None
 
 
 def _generation_defaults(meta: dict[str, Any]) -> GenerationDefaults:

@@ -1,4 +1,4 @@
-"""Tokenizers from an HF `tokenizer.json` or from GGUF SentencePiece metadata.
+"""Tokenizers from an HF `tokenizer.json` or from GGUF tokenizer metadata.
 
 Both become a `tokenizers.Tokenizer` (the HF Rust library) that gives the same
 ids as transformers 5.24's `AutoTokenizer`:
@@ -16,11 +16,28 @@ ids as transformers 5.24's `AutoTokenizer`:
   `tokenizer.ggml.add_bos_token` (default true) / `add_eos_token`.
   One deliberate difference: transformers appends its class-default specials
   (`<s>`, `</s>` for Llama) when the vocabulary lacks them, giving ids past the
-  embedding table; those are not added here.
+  embedding table; those are not added here. `tokenizer.ggml.add_space_prefix`
+  is ignored, as transformers ignores it (Mistral's SentencePiece files take
+  this path too: "▁" prefix, BOS per add_bos_token).
+- GGUF, `tokenizer.ggml.model == "gpt2"` (byte-level BPE: Llama 3, Qwen2/3):
+  the BPE of the file's tokens and `tokenizer.ggml.merges` ("left right",
+  split at the first space after the first character, as llama.cpp does),
+  with the pre-tokenizer HF's tokenizer.json has for `tokenizer.ggml.pre`:
+  `llama-bpe` (also `llama3`, `llama-v3`): the Llama 3 split regex, whole
+  in-vocabulary words skip the merges (`ignore_merges`), BOS added unless
+  add_bos_token says otherwise; `qwen2`: Qwen's regex (single digits), an NFC
+  normalizer, no BOS by default. Both: a Split (Isolated) then ByteLevel (no
+  prefix space, no regex), ByteLevel decoder. The regexes are the originals
+  quoted in llama.cpp's `llm_tokenizer_bpe` (llama-vocab.cpp). Control tokens
+  (type 3) are special added tokens, user-defined ones (4) plain added tokens.
+  Other `pre` values raise. Transformers marks some type-3 tokens (those
+  llama.cpp's converter promotes for looking like `<|...|>`) not special; here
+  they are, which only changes `decode(skip_special_tokens=True)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,6 +53,32 @@ from specjax.errors import SpecjaxError
 _GEMMA_ARCHS = ('gemma', 'gemma2', 'gemma3')
 _BYTE_PIECE = re.compile(r'<0x[0-9A-Fa-f]{2}>')
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+@dataclasses.dataclass(frozen=True)
+class _BytePre:
+  """How HF's tokenizer.json pre-tokenizes for one `tokenizer.ggml.pre`."""
+
+  split: str  # the Split regex (Isolated)
+  nfc: bool  # NFC normalizer first
+  ignore_merges: bool  # a whole word in the vocabulary is one token
+  add_bos: bool  # llama.cpp's default when add_bos_token is absent
+
+
+_LLAMA3_BPE = _BytePre(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    nfc=False, ignore_merges=True, add_bos=True)
+_QWEN2_BPE = _BytePre(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    nfc=True, ignore_merges=False, add_bos=False)
+_BYTE_PRE = {
+    'llama-bpe': _LLAMA3_BPE,
+    'llama3': _LLAMA3_BPE,
+    'llama-v3': _LLAMA3_BPE,
+    'qwen2': _QWEN2_BPE,
+}
 
 
 class Tokenizer:
@@ -103,16 +146,27 @@ class Tokenizer:
     as `specjax.loading.gguf.read_gguf_metadata` returns them.
     """
     kind = fields.get('tokenizer.ggml.model')
-    if kind != 'llama':
+    if kind not in ('llama', 'gpt2'):
       raise SpecjaxError(
           f'unsupported GGUF tokenizer model {kind!r}'
-          ' (supported: "llama", i.e. SentencePiece)')
+          ' (supported: "llama", i.e. SentencePiece; "gpt2", byte-level BPE)')
     tokens = list(fields.get('tokenizer.ggml.tokens') or ())
     if not tokens:
       raise SpecjaxError('GGUF metadata has no tokenizer.ggml.tokens')
     token_types = list(fields.get('tokenizer.ggml.token_type') or ())
     arch = fields.get('general.architecture')
-    if arch in _GEMMA_ARCHS:
+    add_bos_default = True  # llama.cpp's default for SentencePiece
+    if kind == 'gpt2':
+      pre = fields.get('tokenizer.ggml.pre')
+      if pre not in _BYTE_PRE:
+        raise SpecjaxError(
+            f'unsupported pre-tokenizer tokenizer.ggml.pre = {pre!r} for GGUF'
+            f" tokenizer model 'gpt2' (supported: {', '.join(_BYTE_PRE)})")
+      backend, pieces = _byte_level_backend(
+          tokens, fields.get('tokenizer.ggml.merges') or (), _BYTE_PRE[pre])
+      default_specials = ()
+      add_bos_default = _BYTE_PRE[pre].add_bos
+    elif arch in _GEMMA_ARCHS:
       backend, pieces = _gemma_backend(tokens)
       default_specials = ('<bos>', '<eos>', '<unk>', '<pad>', '<mask>')
     else:
@@ -152,7 +206,7 @@ class Tokenizer:
     ])
 
     bos_token, eos_token = piece('bos_token_id'), piece('eos_token_id')
-    add_bos = bool(fields.get('tokenizer.ggml.add_bos_token', True))
+    add_bos = bool(fields.get('tokenizer.ggml.add_bos_token', add_bos_default))
     add_eos = bool(fields.get('tokenizer.ggml.add_eos_token', False))
     backend.post_processor = _bos_eos_processor(
         backend, bos_token if add_bos else None, eos_token if add_eos else None)
@@ -216,9 +270,10 @@ class StreamDecoder:
   """Incremental detokenisation: `step(id)` returns the newly final text.
 
   Text is held back while the last token is a byte piece (or a skipped
-  special token after one), since the next may complete or invalidate a
-  multi-byte UTF-8 character. Joining every `step` result and a final
-  `flush()` gives exactly `decode(all ids)`.
+  special token after one), or while the text decoded so far ends in U+FFFD
+  (a byte-level BPE piece that splits a UTF-8 character), since the next may
+  complete or invalidate a multi-byte character. Joining every `step` result
+  and a final `flush()` gives exactly `decode(all ids)`.
   """
 
   def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
@@ -234,7 +289,7 @@ class StreamDecoder:
     if tok.is_byte_token(token_id) or (
         self._skip_special and tok.is_special_token(token_id)):
       return ''
-    return self._emit()
+    return self._emit(hold_incomplete=True)
 
   def flush(self) -> str:
     """Emits whatever is held back (call once, when generation ends)."""
@@ -243,7 +298,7 @@ class StreamDecoder:
   def _decode(self, ids: list[int]) -> str:
     return self._tokenizer.decode(ids, self._skip_special)
 
-  def _emit(self) -> str:
+  def _emit(self, hold_incomplete: bool = False) -> str:
     if self._emitted == len(self._ids):
       return ''
     # The window restarts at the last chunk only if that chunk has text of its
@@ -251,6 +306,8 @@ class StreamDecoder:
     # `done`, as a one-shot decode would.
     done = self._decode(self._ids[self._start:self._emitted])
     text = self._decode(self._ids[self._start:])
+    if hold_incomplete and text.endswith('\ufffd'):
+      return ''  # maybe a split character: emitting it would break `done`
     if self._decode(self._ids[self._emitted:]):
       self._start = self._emitted
     self._emitted = len(self._ids)
@@ -360,4 +417,38 @@ def _llama_backend(
   backend.decoder = decoders.Sequence([
       decoders.Replace('\u2581', ' '), decoders.ByteFallback(),
       decoders.Fuse(), decoders.Strip(' ', 1, 0)])
+  return backend, list(tokens)
+
+
+def _byte_level_backend(
+    tokens: Sequence[str], merges: Sequence[str], pre: _BytePre
+) -> tuple[tokenizers.Tokenizer, list[str]]:
+  """GPT-2 style byte-level BPE (Llama 3, Qwen2/3), as HF's tokenizer.json."""
+  pairs = []
+  for merge in merges:
+    split = merge.find(' ', 1)  # llama.cpp: a left part may start with " "
+    if split < 0:
+      raise SpecjaxError(f'malformed GGUF tokenizer merge {merge!r}')
+    pairs.append((merge[:split], merge[split + 1:]))
+  if not pairs:
+    raise SpecjaxError('GGUF metadata has no tokenizer.ggml.merges')
+  try:
+    model = models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)},
+        merges=pairs,
+        ignore_merges=pre.ignore_merges,
+        fuse_unk=False,
+        byte_fallback=False,
+    )
+  except Exception as e:  # the Rust library raises plain Exceptions
+    raise SpecjaxError(f'cannot build the GGUF BPE tokenizer: {e}') from None
+  backend = tokenizers.Tokenizer(model)
+  if pre.nfc:
+    backend.normalizer = normalizers.NFC()
+  backend.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(
+          tokenizers.Regex(pre.split), behavior='isolated', invert=False),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+  ])
+  backend.decoder = decoders.ByteLevel()
   return backend, list(tokens)
