@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import os
 import time
 
 import jax
@@ -33,14 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import datasets
 from specjax.engine import Engine
 from specjax.errors import SpecjaxError
 from specjax.metrics import SpecMetrics
 from specjax.sampling import SamplingParams, argmax
 from specjax.step import draft_context
-
-SPEC_BENCH = os.path.join('..', 'shared', 'data', 'spec_bench', 'question.jsonl')
-
 
 @dataclasses.dataclass
 class Prompt:
@@ -49,10 +46,13 @@ class Prompt:
   text: str
 
 
-def load_prompts(path: str, categories: list[str] | None = None, limit: int | None = None) -> list[Prompt]:
-  """Spec-Bench `question.jsonl` (first turn of each question), `limit` per category."""
-  if not os.path.isfile(path):
-    raise SpecjaxError(f'prompt file {path!r} does not exist')
+def load_prompts(path: str | None = None, categories: list[str] | None = None,
+                 limit: int | None = None) -> list[Prompt]:
+  """A jsonl of prompts (first turn of each question), `limit` per category.
+
+  `path=None` reads Spec-Bench `question.jsonl` as `datasets.spec_bench_path` finds it.
+  """
+  path = datasets.spec_bench_path(path)
   rows = []
   with open(path, encoding='utf-8') as f:
     for n, line in enumerate(f, 1):

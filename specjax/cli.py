@@ -183,7 +183,7 @@ def cmd_bench(args) -> int:
   args.max_draft = max(args.max_draft, *depths)
   prompts = bench.load_prompts(args.prompts, args.categories, args.limit)
   if not prompts:
-    raise SpecjaxError(f'no prompts selected from {args.prompts}')
+    raise SpecjaxError(f'no prompts selected from {args.prompts or "Spec-Bench question.jsonl"}')
   model, engine = load_engine(args, with_drafter=True)
   for k in depths:
     engine.check_depth(k)
@@ -230,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
   bench = sub.add_parser('bench', help='autoregressive vs speculative on a prompt set, per category')
   _add_model_args(bench)
   _add_drafter_args(bench)
-  bench.add_argument('--prompts', default=os.path.join('..', 'shared', 'data', 'spec_bench', 'question.jsonl'),
-                     help='Spec-Bench question.jsonl (or any jsonl with "prompt"/"turns" and "category")')
+  bench.add_argument('--prompts', default=None,
+                     help='jsonl with "prompt"/"turns" and "category" (default: Spec-Bench question.jsonl from '
+                          '$SPECJAX_SPEC_BENCH, else the user cache, else downloaded at a pinned commit)')
   bench.add_argument('--categories', nargs='+', default=None)
   bench.add_argument('--limit', type=int, default=None, help='prompts per category')
   bench.add_argument('--depths', dest='n_predict_list', type=int, nargs='+', default=None,

@@ -44,3 +44,14 @@ def make_cache(model, b, t, page_size=4, num_slots=1, shuffle_pages=False):
   return KVCache.create(model.kv_shapes, num_pages=b * pages_per_seq + 1, page_size=page_size,
                         block_tables=alloc.block_table(list(range(b)), pages_per_seq),
                         state_shapes=model.state_shapes, num_slots=num_slots)
+
+
+@pytest.fixture(scope='session')
+def spec_bench():
+  """Spec-Bench question.jsonl from a local source (tests never download it), else the test skips."""
+  from specjax.datasets import spec_bench_path
+  from specjax.errors import SpecjaxError
+  try:
+    return spec_bench_path(download=False)
+  except SpecjaxError as e:
+    pytest.skip(f'needs the Spec-Bench data (set SPECJAX_SPEC_BENCH or run `specjax bench` once to cache it): {e}')

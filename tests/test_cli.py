@@ -109,7 +109,6 @@ def test_bench_table(capsys, tmp_path):
     (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'layer-skip', '--layers', '9'], 'layer-skip needs'),
     (['run', '-m', TINY, '--prompt', 'x', '--draft-model', '/no/such/model'], 'not found'),
     (['bench', '-m', TINY, '--prompts', '/no/file.jsonl'], 'does not exist'),
-    (['bench', '-m', TINY, '--categories', 'nope', '--limit', '1'], 'unknown categories'),
     (['run', '-m', TINY, '--prompt', 'x', '--mtp'], 'no built-in MTP head'),
     (['run', '-m', 'gemma-3-270m', '--prompt', 'x', '--mtp'], 'not supported from GGUF'),
     (['run', '-m', QWEN, '--prompt', 'x', '--mtp', '--drafter', 'ngram'], 'cannot be combined'),
@@ -118,3 +117,10 @@ def test_bench_table(capsys, tmp_path):
 def test_speculative_bad_input(capsys, argv, message):
   code, out, err = run_cli(capsys, *argv)
   assert code != 0 and err.startswith('error: ') and message in err and 'Traceback' not in err, err
+
+
+def test_bench_unknown_category(capsys, spec_bench):
+  """The default prompts are Spec-Bench's (resolved without a path relative to the working directory)."""
+  code, out, err = run_cli(capsys, 'bench', '-m', TINY, '--categories', 'nope', '--limit', '1')
+  assert code == 2 and err.startswith('error: unknown categories') and err.count('\n') == 1, err
+  assert spec_bench in err

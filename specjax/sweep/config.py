@@ -29,11 +29,10 @@ from typing import Any, Iterable
 
 import ml_collections
 
-from specjax.bench import SPEC_BENCH
 from specjax.errors import SpecjaxError
 
 SECTIONS = ('drafter', 'sampling', 'prompts', 'policy')
-NULLABLE = {'drafter.draft_model': str, 'drafter.layers': int, 'prompts.limit': int}
+NULLABLE = {'drafter.draft_model': str, 'drafter.layers': int, 'prompts.path': str, 'prompts.limit': int}
 CATEGORY_AXIS = 'category'
 
 
@@ -52,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
       },
       'sampling': {'temperature': 0.0, 'top_k': 0, 'top_p': 1.0, 'min_p': 0.0, 'seed': 0},
       'prompts': {
-          'path': SPEC_BENCH,  # Spec-Bench question.jsonl (or any jsonl with prompt/turns + category)
+          'path': None,  # jsonl with prompt/turns + category (None: Spec-Bench, `datasets.spec_bench_path`)
           'categories': [],  # empty: every category in the file
           'limit': None,  # prompts per category (None: all)
       },
