@@ -53,19 +53,25 @@ def load_prompts(path: str | None = None, categories: list[str] | None = None,
   `path=None` reads Spec-Bench `question.jsonl` as `datasets.spec_bench_path` finds it.
   """
   path = datasets.spec_bench_path(path)
+  try:
+    with open(path, encoding='utf-8') as f:
+      lines = f.readlines()
+  except UnicodeDecodeError as e:
+    raise SpecjaxError(f'{path} is not UTF-8 text (byte {e.start})') from None
   rows = []
-  with open(path, encoding='utf-8') as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        raise SpecjaxError(f'{path}:{n} is not valid JSON') from None
-      text = row.get('prompt') or (row.get('turns') or [None])[0]
-      if not isinstance(text, str):
-        raise SpecjaxError(f'{path}:{n} has no "prompt" or "turns" text')
-      rows.append(Prompt(str(row.get('question_id', n)), row.get('category', 'all'), text))
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      raise SpecjaxError(f'{path}:{n} is not valid JSON') from None
+    if not isinstance(row, dict):
+      raise SpecjaxError(f'{path}:{n} is not a JSON object')
+    text = row.get('prompt') or (row.get('turns') or [None])[0]
+    if not isinstance(text, str):
+      raise SpecjaxError(f'{path}:{n} has no "prompt" or "turns" text')
+    rows.append(Prompt(str(row.get('question_id', n)), row.get('category', 'all'), text))
   known = sorted({r.category for r in rows})
   if categories:
     unknown = sorted(set(categories) - set(known))
