@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import os
 import time
 
 import jax
@@ -33,15 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import datasets
 from specjax.engine import Engine
 from specjax.errors import SpecjaxError
 from specjax.metrics import SpecMetrics
 from specjax.models.contract import append
 from specjax.sampling import SamplingParams, argmax
 from specjax.step import draft_context
-
-SPEC_BENCH = os.path.join('..', 'shared', 'data', 'spec_bench', 'question.jsonl')
-
 
 @dataclasses.dataclass
 class Prompt:
@@ -50,23 +47,32 @@ class Prompt:
   text: str
 
 
-def load_prompts(path: str, categories: list[str] | None = None, limit: int | None = None) -> list[Prompt]:
-  """Spec-Bench `question.jsonl` (first turn of each question), `limit` per category."""
-  if not os.path.isfile(path):
-    raise SpecjaxError(f'prompt file {path!r} does not exist')
+def load_prompts(path: str | None = None, categories: list[str] | None = None,
+                 limit: int | None = None) -> list[Prompt]:
+  """A jsonl of prompts (first turn of each question), `limit` per category.
+
+  `path=None` reads Spec-Bench `question.jsonl` as `datasets.spec_bench_path` finds it.
+  """
+  path = datasets.spec_bench_path(path)
+  try:
+    with open(path, encoding='utf-8') as f:
+      lines = f.readlines()
+  except UnicodeDecodeError as e:
+    raise SpecjaxError(f'{path} is not UTF-8 text (byte {e.start})') from None
   rows = []
-  with open(path, encoding='utf-8') as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        raise SpecjaxError(f'{path}:{n} is not valid JSON') from None
-      text = row.get('prompt') or (row.get('turns') or [None])[0]
-      if not isinstance(text, str):
-        raise SpecjaxError(f'{path}:{n} has no "prompt" or "turns" text')
-      rows.append(Prompt(str(row.get('question_id', n)), row.get('category', 'all'), text))
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      raise SpecjaxError(f'{path}:{n} is not valid JSON') from None
+    if not isinstance(row, dict):
+      raise SpecjaxError(f'{path}:{n} is not a JSON object')
+    text = row.get('prompt') or (row.get('turns') or [None])[0]
+    if not isinstance(text, str):
+      raise SpecjaxError(f'{path}:{n} has no "prompt" or "turns" text')
+    rows.append(Prompt(str(row.get('question_id', n)), row.get('category', 'all'), text))
   known = sorted({r.category for r in rows})
   if categories:
     unknown = sorted(set(categories) - set(known))

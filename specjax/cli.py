@@ -1,6 +1,6 @@
 """`specjax` command line: a thin layer over the Python API.
 
-  specjax generate -m MODEL --prompt TEXT [--prompt-file F] [--max-new-tokens N]
+  specjax generate -m MODEL --prompt TEXT [--prompt-file F [--prompts-per-line]] [--max-new-tokens N]
                    [--temperature T --top-k K --top-p P --min-p M --seed S] [--json]
   specjax sweep CONFIG [--out DIR] [KEY=VALUE ...]
 """
@@ -29,7 +29,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--prompt', action='append', default=[], help='prompt text (repeat for a batch)')
-  p.add_argument('--prompt-file', help='file with one prompt per line (or a .jsonl with a "prompt"/"turns" field)')
+  p.add_argument('--prompt-file',
+                 help='the whole file is one prompt (as llama.cpp -f: exact text, one trailing newline dropped); '
+                      'a .jsonl is a batch, one object per line with "prompt" or "turns"')
+  p.add_argument('--prompts-per-line', action='store_true',
+                 help='read --prompt-file as a batch, one prompt per non-blank line (\\n in a line is a newline)')
   p.add_argument('--max-new-tokens', type=int, default=64)
   p.add_argument('--temperature', type=float, default=0.0, help='0 means greedy')
   p.add_argument('--top-k', type=int, default=0)
@@ -39,17 +43,43 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--json', action='store_true', help='print one JSON object instead of streaming text')
 
 
+def read_prompt_file(path: str, per_line: bool = False) -> list[str]:
+  """The prompts of a file.
+
+  A `.jsonl` file holds one per line (an object with "prompt" or "turns"). Any other file is one prompt, its
+  exact text but for one trailing newline (as llama.cpp's `-f`); with `per_line`, each non-blank line is a
+  prompt, in which the two characters `\\n` stand for a newline.
+  """
+  if not os.path.isfile(path):
+    raise SpecjaxError(f'prompt file {path!r} does not exist')
+  if path.endswith('.jsonl'):
+    from specjax.bench import load_prompts
+    prompts = [p.text for p in load_prompts(path)]
+  else:
+    with open(path, 'rb') as f:
+      data = f.read()
+    try:
+      text = data.decode('utf-8')
+    except UnicodeDecodeError as e:
+      raise SpecjaxError(f'prompt file {path!r} is not UTF-8 text (byte {e.start})') from None
+    if per_line:  # lines end at \n, \r\n or \r (Python's universal newlines)
+      lines = text.replace('\r\n', '\n').replace('\r', '\n').split('\n')
+      prompts = [line.replace('\\n', '\n') for line in lines if line.strip()]
+    else:
+      text = text[:-1] if text.endswith('\n') else text
+      prompts = [text] if text else []
+  if not prompts:
+    raise SpecjaxError(f'prompt file {path!r} is empty' if not os.path.getsize(path) else
+                       f'prompt file {path!r} has no prompt')
+  return prompts
+
+
 def read_prompts(args) -> list[str]:
   prompts = list(args.prompt)
+  if args.prompts_per_line and not args.prompt_file:
+    raise SpecjaxError('--prompts-per-line reads --prompt-file; pass --prompt-file FILE')
   if args.prompt_file:
-    if not os.path.isfile(args.prompt_file):
-      raise SpecjaxError(f'prompt file {args.prompt_file!r} does not exist')
-    if args.prompt_file.endswith('.jsonl'):
-      from specjax.bench import load_prompts
-      prompts += [p.text for p in load_prompts(args.prompt_file)]
-    else:
-      with open(args.prompt_file, encoding='utf-8') as f:
-        prompts += [line.rstrip('\n').replace('\\n', '\n') for line in f if line.strip()]
+    prompts += read_prompt_file(args.prompt_file, per_line=args.prompts_per_line)
   if not prompts:
     raise SpecjaxError('no prompt: pass --prompt TEXT or --prompt-file FILE')
   return prompts
@@ -201,7 +231,7 @@ def cmd_bench(args) -> int:
   args.max_draft = max(args.max_draft, *depths)
   prompts = bench.load_prompts(args.prompts, args.categories, args.limit)
   if not prompts:
-    raise SpecjaxError(f'no prompts selected from {args.prompts}')
+    raise SpecjaxError(f'no prompts selected from {args.prompts or "Spec-Bench question.jsonl"}')
   model, engine = load_engine(args, with_drafter=True)
   for k in depths:
     engine.check_depth(k)
@@ -248,8 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
   bench = sub.add_parser('bench', help='autoregressive vs speculative on a prompt set, per category')
   _add_model_args(bench)
   _add_drafter_args(bench)
-  bench.add_argument('--prompts', default=os.path.join('..', 'shared', 'data', 'spec_bench', 'question.jsonl'),
-                     help='Spec-Bench question.jsonl (or any jsonl with "prompt"/"turns" and "category")')
+  bench.add_argument('--prompts', default=None,
+                     help='jsonl with "prompt"/"turns" and "category" (default: Spec-Bench question.jsonl from '
+                          '$SPECJAX_SPEC_BENCH, else the user cache, else downloaded at a pinned commit)')
   bench.add_argument('--categories', nargs='+', default=None)
   bench.add_argument('--limit', type=int, default=None, help='prompts per category')
   bench.add_argument('--depths', dest='n_predict_list', type=int, nargs='+', default=None,

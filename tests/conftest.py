@@ -49,3 +49,14 @@ def make_cache(model, b, t, page_size=4, num_slots=1, shuffle_pages=False):
 def drafter_options(kind: str, *, draft_model=None, layers: int = 2) -> dict:
   """The options of each drafter family used by the tests (each family takes only its own)."""
   return {'draft-model': {'draft_model': draft_model}, 'layer-skip': {'layers': layers}}.get(kind, {})
+
+
+@pytest.fixture(scope='session')
+def spec_bench():
+  """Spec-Bench question.jsonl from a local source (tests never download it), else the test skips."""
+  from specjax.datasets import spec_bench_path
+  from specjax.errors import SpecjaxError
+  try:
+    return spec_bench_path(download=False)
+  except SpecjaxError as e:
+    pytest.skip(f'needs the Spec-Bench data (set SPECJAX_SPEC_BENCH or run `specjax bench` once to cache it): {e}')

@@ -36,6 +36,56 @@ def test_generate_streams_text(capsys, tmp_path):
   assert code == 0 and out.startswith('Hello')
 
 
+def test_prompt_file_is_one_prompt(tmp_path):
+  path = tmp_path / 'prompt.txt'
+  path.write_bytes('Line one\n\n  indented\\n kept\n'.encode())
+  assert cli.read_prompt_file(str(path)) == ['Line one\n\n  indented\\n kept']  # one trailing newline dropped
+  path.write_bytes(b'a\r\nb\r\n\n')
+  assert cli.read_prompt_file(str(path)) == ['a\r\nb\r\n']  # exact bytes, as llama.cpp -f
+  path.write_bytes('  café'.encode())
+  assert cli.read_prompt_file(str(path)) == ['  café']
+
+
+def test_prompts_per_line_and_jsonl_are_batches(tmp_path):
+  path = tmp_path / 'prompts.txt'
+  path.write_bytes(b'Hello\r\n\n  \nThe cat\\nsat \n')
+  assert cli.read_prompt_file(str(path), per_line=True) == ['Hello', 'The cat\nsat ']
+  jsonl = tmp_path / 'prompts.jsonl'
+  jsonl.write_text(json.dumps({'prompt': 'a\nb'}) + '\n' + json.dumps({'turns': ['c', 'd']}) + '\n')
+  assert cli.read_prompt_file(str(jsonl)) == ['a\nb', 'c']
+  assert cli.read_prompt_file(str(jsonl), per_line=True) == ['a\nb', 'c']  # a .jsonl is always JSON lines
+
+
+def test_prompt_file_through_the_cli(capsys, tmp_path):
+  text = 'The cat sat.\nThe cat'
+  path = tmp_path / 'prompt.txt'
+  path.write_text(text + '\n')
+  common = ['--max-new-tokens', '3', '--page-size', '4', '--json']
+  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt-file', str(path), *common)
+  assert code == 0, err
+  whole = json.loads(out)
+  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt', text, *common)
+  assert code == 0 and json.loads(out)['tokens'] == whole['tokens'], err
+  assert json.loads(out)['prompt_tokens'] == whole['prompt_tokens']
+  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt-file', str(path), '--prompts-per-line', *common)
+  assert code == 0, err
+  assert len(json.loads(out)['results']) == 2
+
+
+@pytest.mark.parametrize('content,flags,message', [
+    (b'', [], 'is empty'),
+    (b'\n', [], 'has no prompt'),
+    (b'\n  \n\n', ['--prompts-per-line'], 'has no prompt'),
+    (b'', ['--prompts-per-line'], 'is empty'),
+    (b'caf\xe9\n', [], 'not UTF-8'),
+])
+def test_bad_prompt_file_is_one_error_line(capsys, tmp_path, content, flags, message):
+  path = tmp_path / 'prompt.txt'
+  path.write_bytes(content)
+  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt-file', str(path), *flags)
+  assert code == 2 and err.startswith('error: ') and message in err and err.count('\n') == 1, err
+
+
 @pytest.mark.parametrize('argv,message', [
     (['-m', './missing-model', '--prompt', 'x'], 'not found'),
     (['-m', TINY], 'no prompt'),
@@ -47,6 +97,7 @@ def test_generate_streams_text(capsys, tmp_path):
     (['-m', TINY, '--prompt', 'x y z', '--max-new-tokens', '100', '--num-pages', '3', '--page-size', '4'],
      'out of pages'),
     (['-m', TINY, '--prompt-file', '/no/such/file'], 'does not exist'),
+    (['-m', TINY, '--prompt', 'x', '--prompts-per-line'], '--prompts-per-line reads --prompt-file'),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
   code, out, err = run_cli(capsys, 'generate', *argv)
@@ -109,7 +160,6 @@ def test_bench_table(capsys, tmp_path):
     (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'layer-skip', '--layers', '9'], 'layer-skip needs'),
     (['run', '-m', TINY, '--prompt', 'x', '--draft-model', '/no/such/model'], 'not found'),
     (['bench', '-m', TINY, '--prompts', '/no/file.jsonl'], 'does not exist'),
-    (['bench', '-m', TINY, '--categories', 'nope', '--limit', '1'], 'unknown categories'),
     (['run', '-m', TINY, '--prompt', 'x', '--mtp'], 'no built-in MTP head'),
     (['run', '-m', 'gemma-3-270m', '--prompt', 'x', '--mtp'], 'not supported from GGUF'),
     (['run', '-m', QWEN, '--prompt', 'x', '--mtp', '--drafter', 'ngram'], 'cannot be combined'),
@@ -118,3 +168,10 @@ def test_bench_table(capsys, tmp_path):
 def test_speculative_bad_input(capsys, argv, message):
   code, out, err = run_cli(capsys, *argv)
   assert code != 0 and err.startswith('error: ') and message in err and 'Traceback' not in err, err
+
+
+def test_bench_unknown_category(capsys, spec_bench):
+  """The default prompts are Spec-Bench's (resolved without a path relative to the working directory)."""
+  code, out, err = run_cli(capsys, 'bench', '-m', TINY, '--categories', 'nope', '--limit', '1')
+  assert code == 2 and err.startswith('error: unknown categories') and err.count('\n') == 1, err
+  assert spec_bench in err

@@ -27,7 +27,11 @@ def safetensors_files(directory: str) -> list[str]:
   """The weight files of a checkpoint directory, from the shard index if any."""
   index = os.path.join(directory, 'model.safetensors.index.json')
   if os.path.exists(index):
-    shards = sorted(set(read_json(index).get('weight_map', {}).values()))
+    weight_map = read_json(index)
+    weight_map = weight_map.get('weight_map') if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+      raise SpecjaxError(f'{index}: no "weight_map" of tensor names to shard files')
+    shards = sorted(set(weight_map.values()))
     missing = [s for s in shards if not os.path.exists(os.path.join(directory, s))]
     if missing:
       raise SpecjaxError(f'{directory}: shard index names missing files {missing}')
@@ -41,25 +45,73 @@ def safetensors_files(directory: str) -> list[str]:
   return [os.path.join(directory, f) for f in files]
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
+
+
+def safetensors_header(path: str) -> dict[str, dict]:
+  """The tensor entries of a safetensors file's JSON header, checked against the file's size.
+
+  Raises:
+    SpecjaxError: the file is empty, not a safetensors file, truncated, or its header is bad.
+  """
+  try:
+    size = os.path.getsize(path)
+    with open(path, 'rb') as f:
+      prefix = f.read(8)
+      length = int.from_bytes(prefix, 'little') if len(prefix) == 8 else 0
+      raw = f.read(min(length, MAX_HEADER_BYTES, max(size - 8, 0)))
+  except OSError as e:
+    raise SpecjaxError(f'cannot read {path}: {e.strerror or e}') from None
+  if size == 0:
+    raise SpecjaxError(f'{path} is empty, not a safetensors file')
+  if size < 8:
+    raise SpecjaxError(f'{path} is not a safetensors file ({size} bytes, too short for the header length)')
+  if raw[:1] != b'{' or length > MAX_HEADER_BYTES:
+    raise SpecjaxError(f'{path} is not a safetensors file (no JSON header after the 8-byte header length)')
+  if length > size - 8:
+    raise SpecjaxError(f'{path} is truncated: its header needs {length} bytes, only {size - 8} follow')
+  try:
+    header = json.loads(raw.decode('utf-8'))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise SpecjaxError(f'{path} has a bad safetensors header (not valid JSON: {e})') from None
+  header.pop('__metadata__', None)
+  end = 0
+  for name, info in header.items():
+    offsets = info.get('data_offsets') if isinstance(info, dict) else None
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] or not isinstance(info.get('dtype'), str)
+        or not isinstance(info.get('shape'), list)):
+      raise SpecjaxError(f'{path} has a bad safetensors header (tensor {name!r}: {info!r:.80})')
+    end = max(end, offsets[1])
+  data = size - 8 - length
+  if end > data:
+    raise SpecjaxError(f'{path} is truncated: its tensors need {end} bytes of data, only {data} follow the header')
+  if end < data:
+    raise SpecjaxError(f'{path} is corrupt: {data - end} bytes follow the last tensor')
+  return header
+
+
 def read_safetensors(files: list[str], skip: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
   """All tensors (but names starting with `skip`) as float32 numpy arrays (bf16/f16 are widened)."""
-  from safetensors import safe_open
+  from safetensors import SafetensorError, safe_open
   tensors = {}
   for path in files:
-    with safe_open(path, framework='numpy') as f:
-      for name in f.keys():
-        if not (skip and name.startswith(skip)):
-          tensors[name] = np.asarray(f.get_tensor(name), np.float32)
+    safetensors_header(path)  # one clear error for a truncated or corrupt file
+    try:
+      with safe_open(path, framework='numpy') as f:
+        for name in f.keys():
+          if not (skip and name.startswith(skip)):
+            tensors[name] = np.asarray(f.get_tensor(name), np.float32)
+    except (SafetensorError, OSError) as e:
+      raise SpecjaxError(f'{path} is not a valid safetensors file: {" ".join(str(e).split())}') from None
   return tensors
 
 
 def tensor_names(directory: str) -> set[str]:
   """Weight names of a checkpoint directory, from the safetensors headers only."""
-  from safetensors import safe_open
   names = set()
   for path in safetensors_files(directory):
-    with safe_open(path, framework='numpy') as f:
-      names.update(f.keys())
+    names.update(safetensors_header(path))
   return names
 
 

@@ -214,7 +214,7 @@ def format_summary(analysis: dict, manifest: dict, plots: list[str]) -> str:
       f"# Sweep `{manifest.get('name', 'sweep')}`",
       '',
       f"- model: `{manifest['config'].get('model')}`; cells: {manifest.get('num_cells')}; "
-      f"prompts: `{manifest['config']['prompts']['path']}`",
+      f"prompts: `{manifest['config']['prompts']['path'] or 'Spec-Bench question.jsonl'}`",
       f"- config hash `{manifest.get('config_hash')}`; git `{(git.get('commit') or 'none')[:12]}`"
       f"{' (dirty)' if git.get('dirty') else ''}; device: {', '.join(manifest.get('device', {}).get('devices', []))} "
       f"({manifest.get('device', {}).get('cpu_count')} CPUs)",

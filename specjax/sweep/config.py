@@ -29,11 +29,10 @@ from typing import Any, Iterable
 
 import ml_collections
 
-from specjax.bench import SPEC_BENCH
 from specjax.errors import SpecjaxError
 
 SECTIONS = ('drafter', 'sampling', 'prompts', 'policy')
-NULLABLE = {'prompts.limit': int}  # plus every drafter option that defaults to None (`_drafter_schema`)
+NULLABLE = {'prompts.path': str, 'prompts.limit': int}  # plus every drafter option that defaults to None (`_drafter_schema`)
 
 
 def _drafter_schema() -> dict[str, Any]:
@@ -56,7 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
       'drafter': _drafter_schema(),  # kind (a registered family) and each family's options
       'sampling': {'temperature': 0.0, 'top_k': 0, 'top_p': 1.0, 'min_p': 0.0, 'seed': 0},
       'prompts': {
-          'path': SPEC_BENCH,  # Spec-Bench question.jsonl (or any jsonl with prompt/turns + category)
+          'path': None,  # jsonl with prompt/turns + category (None: Spec-Bench, `datasets.spec_bench_path`)
           'categories': [],  # empty: every category in the file
           'limit': None,  # prompts per category (None: all)
       },

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from specjax.bench import Prompt, load_prompts
+from specjax.datasets import spec_bench_path
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingParams
 from specjax.sweep import analytics, artifacts, plots as plots_lib
@@ -108,7 +109,7 @@ class _Prompts:
 
   def select(self, cell: Cell) -> list[tuple[int, Prompt]]:
     p = cell.section('prompts')
-    path = p['path']
+    path = spec_bench_path(p['path'])  # None: Spec-Bench
     if path not in self._files:
       rows = load_prompts(path)
       self._files[path] = (rows, {(r.category, r.id): i for i, r in enumerate(rows)})
@@ -281,7 +282,7 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   config's results is refused (SpecjaxError), never overwritten.
   """
   sweep, cells, cell_policies = prepare(config, overrides)
-  prompts_path = sweep.base['prompts.path']
+  prompts_path = spec_bench_path(sweep.base['prompts.path'])
   prompts_sha = artifacts.file_sha256(prompts_path)
   manifest = artifacts.check_out_dir(out_dir, sweep.hash, prompts_sha)
   bench = _Workbench(cells, cell_policies)
