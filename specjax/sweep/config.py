@@ -32,7 +32,7 @@ import ml_collections
 from specjax.errors import SpecjaxError
 
 SECTIONS = ('drafter', 'sampling', 'prompts', 'policy')
-NULLABLE = {'prompts.path': str, 'prompts.limit': int}  # plus every drafter option that defaults to None (`_drafter_schema`)
+NULLABLE = {'prompts.path': str, 'prompts.limit': int}  # and each drafter option defaulting to None
 
 
 def _drafter_schema() -> dict[str, Any]:
@@ -43,6 +43,8 @@ def _drafter_schema() -> dict[str, Any]:
     if f.default is None:
       NULLABLE[f'drafter.{name}'] = f.metadata['type']
   return {'kind': 'ngram', **{name: f.default for name, f in fields.items()}}
+
+
 CATEGORY_AXIS = 'category'
 
 
