@@ -22,7 +22,6 @@ is a random Qwen3.5-0.8B-like model cut to 8 layers (H 1024, 6 GDN layers of
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import statistics
@@ -42,6 +41,7 @@ from specjax.cache.paged import KVCache, state_bytes
 from specjax.models import gated_deltanet as gdn
 from specjax.models import qwen3_5
 from specjax.models.base import Model
+from specjax.models.contract import append
 
 FIXTURES = ROOT / 'tests' / 'fixtures'
 DEPTHS = range(1, 7)
@@ -58,12 +58,11 @@ def small_model() -> Model:
       head_dim=256, layer_types=('linear_attention',) * 3 + ('full_attention',) + ('linear_attention',) * 3
       + ('full_attention',), linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
       linear_value_head_dim=128)
-  module = qwen3_5.Qwen35(cfg)
+  module = qwen3_5.Qwen35(cfg, rngs=nnx.Rngs(0))  # random weights
   graphdef, state = nnx.split(module)
-  keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(state))))
-  state = jax.tree.map(lambda x: 0.02 * jax.random.normal(next(keys), x.shape, x.dtype), state)
-  return Model(graphdef, state, cfg, None, None, 'small (random)', 'qwen3_5_text', module.kv_layer_shapes(),
-               module.state_layer_shapes())
+  layout = module.cache_layout()
+  return Model(graphdef, state, cfg, None, None, 'small (random)', 'qwen3_5_text', list(layout.kv_shapes),
+               list(layout.state_shapes), dtype=jnp.float32)
 
 
 def make_cache(model: Model, batch: int, capacity: int, num_slots: int, page_size: int = 16) -> KVCache:
@@ -79,7 +78,7 @@ def step_fn(model: Model):
   def step(params, cache, tokens):  # tokens [B, T]
     target = nnx.merge(model.graphdef, params)
     b, t = tokens.shape
-    hidden, cache, _ = target.forward(tokens, cache, jnp.full((b,), t, jnp.int32))
+    hidden, cache, _ = append(target, tokens, cache, jnp.full((b,), t, jnp.int32))
     best = jnp.argmax(target.logits(hidden), axis=-1)  # [B, T]
     match = jnp.cumprod((best[:, :-1] == tokens[:, 1:]).astype(jnp.int32), axis=1).sum(1)
     kept = match + 1

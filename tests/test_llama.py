@@ -1,7 +1,6 @@
 """Llama 3 / Mistral / Qwen3 dense targets: parity with transformers, greedy tokens, GGUF, CLI."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys

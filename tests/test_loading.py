@@ -9,7 +9,7 @@ import pytest
 
 import specjax
 from specjax import SpecjaxError
-from conftest import TINY, TINY_SHARDED, FIXTURES
+from conftest import TINY, TINY_SHARDED
 
 
 def copy_checkpoint(dst):

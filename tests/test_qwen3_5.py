@@ -1,7 +1,6 @@
 """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next hybrids: parity with transformers, chunked == recurrent, MTP head."""
 
 import json
-import os
 import shutil
 
 import jax.numpy as jnp

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from specjax import SpecjaxError
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters import NgramDrafter, make_drafter
 from specjax.step import step_depth, verify_widths
-from conftest import drafter_options, TINY, TINY_SHARDED, perturbed_target
+from conftest import drafter_options, TINY_SHARDED, perturbed_target
 
 PROMPTS = [
     'def add(a, b):\n    return a + b\n\ndef add(a, b):\n',  # repetitive: n-gram drafts get accepted
@@ -94,7 +93,6 @@ def test_step_depth_rounds_up_to_a_verify_width():
 
 def committed_kv(cache: KVCache, row: int, length: int, layer: int):
   """K and V of the first `length` positions of a row, `[Hkv, length, D]` each."""
-  page = cache.page_size
   pages = np.asarray(cache.block_tables[row])
   k = np.asarray(cache.k_pages[layer])[:, pages].reshape(cache.k_pages[layer].shape[0], -1, cache.k_pages[layer].shape[-1])
   v = np.asarray(cache.v_pages[layer])[:, pages].reshape(k.shape)

@@ -55,7 +55,6 @@ def second_token_law(model, params):
   """Exact P(second generated token) = sum_x1 p(x1) p(x2 | x1) under the sampling transform."""
   ids = model.tokenizer.encode(PROMPT)
   module = model.module()
-  vocab = model.config.vocab_size
 
   def run(batch_ids):
     b, t = batch_ids.shape

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.errors import SpecjaxError
-from specjax.loading.checkpoint import Checkpoint, GenerationDefaults
+from specjax.loading.checkpoint import Checkpoint, GenerationDefaults  # noqa: F401 (specjax.loading API)
 from specjax.loading.registry import DEMO_MODELS, family_for
 
 HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')

@@ -72,6 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
       'warmup': True,  # a batch whose run compiled an executable runs again, and the rerun is timed
       'repeats': 1,  # timed runs per batch; the fastest counts (the others are recorded)
       'interleave': False,  # prompt-major order: each batch runs in every cell before the next batch
+      'trace': False,  # results.jsonl keeps each speculative step's k, drafts, accepted count and emitted ids
       'grid': {},
   })
 

@@ -238,6 +238,8 @@ def _row_record(row: int, result, stats, prompt: Prompt, request_id: int, base: 
         'position_acceptance': spec.position_acceptance,
         'conditional_acceptance': spec.conditional_acceptance,
     })
+  if result.trace is not None:
+    record['trace'] = result.trace
   return record
 
 
@@ -376,6 +378,7 @@ def _generate(engine, cell: Cell, texts: list[str], ids: list[int], sampling: Sa
   kw = dict(max_new_tokens=cell.config['max_new_tokens'], sampling=sampling, request_ids=ids, num_draft=num_draft)
   if num_draft:
     kw['policy_state'] = policy_state
+    kw['trace'] = cell.config['trace']
   results, stats = engine.generate(texts, **kw)
   if cell.config['warmup'] and stats.compile_s > 0:
     results, stats = engine.generate(texts, **kw)
