@@ -25,7 +25,8 @@ from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters.base import BatchPlan, Drafter
 from specjax.metrics import SpecMetrics
 from specjax.policies import Fixed, Policy
-from specjax.step import draft_context, propose_phase, spec_step, step_depth, verify_phase, verify_widths, write_tokens
+from specjax.depths import step_depth, verify_widths
+from specjax.step import draft_context, propose_phase, spec_step, verify_phase, write_tokens
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.models.base import Model
 from specjax.sampling import SamplingParams

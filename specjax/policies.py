@@ -59,6 +59,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from specjax.depths import verified_width
 from specjax.errors import SpecjaxError
 
 ENV = 'SPECJAX_POLICY'
@@ -73,12 +74,6 @@ FAMILY_CANDIDATES = {
 }
 LIVE_BUCKETS = 16
 ACCEPT, REJECT, UNKNOWN, NONE = 1, 0, -1, -2
-
-
-def verified_width(k: int, drafted: np.ndarray) -> int:
-  """Positions a verify pass at depth K runs for these rows' draft counts (`step.step_depth`)."""
-  from specjax.step import step_depth  # pylint: disable=g-import-not-at-top
-  return step_depth(k, int(np.max(drafted))) + 1
 
 
 class Policy:
