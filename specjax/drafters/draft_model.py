@@ -19,7 +19,7 @@ from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.errors import SpecjaxError
 from specjax.models.base import Model
-from specjax.verify import STREAM_SAMPLE
+from specjax.sampling import STREAM_SAMPLE
 
 
 def check_compatible(target: Model, draft: Model) -> None:

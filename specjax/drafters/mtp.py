@@ -28,7 +28,7 @@ from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.errors import SpecjaxError
-from specjax.verify import STREAM_SAMPLE
+from specjax.sampling import STREAM_SAMPLE
 
 
 @jax.tree_util.register_dataclass
