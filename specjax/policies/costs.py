@@ -1,11 +1,13 @@
-"""Step costs: live-batch buckets, piecewise-linear interpolation and the recorded step-cost tables.
+"""Step costs: the tuner's cost model and the recorded step-cost tables.
 
-`StepCosts` (per K) and `WidthCosts` (per verified width) price the steps of a
-trace replay (`simulate`) from a recording.
+`CostModel` learns, online, what a step costs by the width its verify pass
+runs and the live batch. `StepCosts` (per K) and `WidthCosts` (per verified
+width) price the steps of a trace replay (`simulate`) from a recording.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -30,6 +32,75 @@ def linear(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
   y[hi] = fp[-1] + (x[hi] - xp[-1]) * (fp[-1] - fp[-2]) / (xp[-1] - xp[-2])
   return y
 
+
+
+def _nearest(bucket: int) -> list[int]:
+  """Live buckets by distance from `bucket` (ties: the smaller)."""
+  return sorted(range(LIVE_BUCKETS), key=lambda x: (abs(x - bucket), x))
+
+
+@dataclasses.dataclass(frozen=True)
+class CostState:
+  level: np.ndarray  # [L] EMA of the cost level per live bucket (seconds), moved by every step
+  shape: np.ndarray  # [L, W] step seconds / level per verified width 1 .. W
+  shape_n: np.ndarray  # [L, W] steps measured
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """Step seconds by verified width and live batch, learned from the steps run.
+
+  Per live bucket (powers of two, `live_bucket`), a cost level that every step
+  moves (`level_alpha`: the context grows, prompts change) and each width's
+  cost relative to it (`shape_alpha`), so a width not run for a while follows
+  the level instead of keeping a stale time. A width never measured is linear
+  in the width through the measured ones (with fewer than two in a bucket, the
+  nearest bucket's shape); before any step, the cost is the width itself.
+  """
+  max_width: int  # W, the widest verify pass priced
+  level_alpha: float = 0.3
+  shape_alpha: float = 0.1
+
+  def init(self) -> CostState:
+    w = self.max_width
+    return CostState(level=np.zeros(LIVE_BUCKETS), shape=np.zeros((LIVE_BUCKETS, w)),
+                     shape_n=np.zeros((LIVE_BUCKETS, w), np.int64))
+
+  def step_times(self, state: CostState, widths: np.ndarray, live: int) -> np.ndarray:  # [len(widths)]
+    """Expected seconds of a step of each verified width at this live batch size."""
+    widths = np.asarray(widths).astype(np.float64)
+    seen = state.shape_n > 0  # [L, W]
+    if not seen.any():
+      return widths  # nothing measured yet: cost grows with the verified block
+    near = _nearest(live_bucket(live))
+    ref = next((x for x in near if seen[x].sum() >= 2), None)
+    if ref is None:
+      ref = next(x for x in near if seen[x].any())
+    lev = next(x for x in near if seen[x].any())
+    measured = np.arange(1, seen.shape[1] + 1, dtype=np.float64)[seen[ref]]
+    shape = linear(widths, measured, state.shape[ref][seen[ref]])
+    shape = np.maximum(shape, 0.1 * state.shape[ref][seen[ref]].min())
+    own = seen[lev] & seen[ref]
+    if lev != ref and own.any():  # the reference bucket's curve, through this bucket's own points
+      all_widths = np.arange(1, seen.shape[1] + 1, dtype=np.float64)
+      shape *= np.mean(state.shape[lev][own] / linear(all_widths[own], measured, state.shape[ref][seen[ref]]))
+    return state.level[lev] * shape
+
+  def observe(self, state: CostState, width: int, seconds: float, live: int) -> CostState:
+    """A step of this verified width took `seconds` with `live` sequences."""
+    b, w_i = live_bucket(live), width - 1
+    level, shape, shape_n = state.level.copy(), state.shape.copy(), state.shape_n.copy()
+    if not shape_n[b].any():  # a new live bucket: normalised like the nearest bucket that ran this width
+      known = [x for x in _nearest(b) if shape_n[x, w_i]]
+      shape[b, w_i] = shape[known[0], w_i] if known else 1.0
+      level[b] = seconds / shape[b, w_i]
+    elif not shape_n[b, w_i]:
+      shape[b, w_i] = seconds / level[b]
+    else:
+      level[b] += self.level_alpha * (seconds / shape[b, w_i] - level[b])
+      shape[b, w_i] += self.shape_alpha * (seconds / level[b] - shape[b, w_i])
+    shape_n[b, w_i] += 1
+    return CostState(level, shape, shape_n)
 
 
 class StepCosts:
