@@ -1,14 +1,16 @@
 """Step costs: the tuner's cost model and the recorded step-cost tables.
 
 `CostModel` learns, online, what a step costs by the width its verify pass
-runs and the live batch. `StepCosts` (per K) and `WidthCosts` (per verified
-width) price the steps of a trace replay (`simulate`) from a recording.
+runs and the live batch; `CostTable` is a fixed price per width that can
+stand in for the measured times (`Tuner(costs=...)`). `StepCosts` (per K) and
+`WidthCosts` (per verified width) price the steps of a trace replay
+(`simulate`) from a recording.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -101,6 +103,40 @@ class CostModel:
       shape[b, w_i] += self.shape_alpha * (seconds / level[b] - shape[b, w_i])
     shape_n[b, w_i] += 1
     return CostState(level, shape, shape_n)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+  """Seconds of a step by verified width, whatever the live batch; callable as (width, live) -> seconds.
+
+  Between the listed widths linear in the width, past them the end segments
+  extrapolated (one width: the same seconds for all), never below a tenth of
+  the cheapest listed step.
+  """
+  seconds: tuple[tuple[int, float], ...]  # (width, seconds), widths ascending
+
+  def __post_init__(self):
+    table = tuple(sorted((int(w), float(s)) for w, s in self.seconds))
+    if not table or any(w < 1 or s <= 0 for w, s in table) or len({w for w, _ in table}) < len(table):
+      raise SpecjaxError(f'a cost table needs distinct widths >= 1 with seconds > 0, got {dict(self.seconds)}')
+    object.__setattr__(self, 'seconds', table)
+
+  def __call__(self, width: int, live: int) -> float:
+    widths, seconds = (np.asarray(x, np.float64) for x in zip(*self.seconds))
+    return float(max(linear(np.array([width], np.float64), widths, seconds)[0], 0.1 * seconds.min()))
+
+
+Costs = Mapping[int, float] | Callable[[int, int], float]  # width -> seconds, or (width, live) -> seconds
+
+
+def step_pricer(costs: Costs | None) -> Callable[[int, int], float] | None:
+  """`costs` as (width, live) -> seconds: a mapping width -> seconds becomes a `CostTable`; None stays None."""
+  if costs is None or callable(costs):
+    return costs
+  if isinstance(costs, Mapping):
+    return CostTable(tuple(costs.items()))
+  raise SpecjaxError(f'costs must be a mapping width -> seconds or a callable (width, live) -> seconds, '
+                     f'got {type(costs).__name__}')
 
 
 class StepCosts:

@@ -10,7 +10,7 @@ from specjax.depths import verified_width
 from specjax.errors import SpecjaxError
 from specjax.policies.acceptance import AcceptanceEstimator, AcceptanceState
 from specjax.policies.base import Policy
-from specjax.policies.costs import LIVE_BUCKETS, CostModel, CostState, live_bucket
+from specjax.policies.costs import LIVE_BUCKETS, CostModel, Costs, CostState, live_bucket, step_pricer
 
 
 def _read(part: str, name: str) -> property:
@@ -50,7 +50,12 @@ class Tuner(Policy):
   verify pass costs, by width: K + 1, or for drafts known ahead the width
   `depths.step_depth(K, max p) + 1` (a step without drafts is a decode step
   whatever K); per live bucket a cost level that every step moves times each
-  width's cost relative to it.
+  width's cost relative to it. `costs` injects step costs instead of the
+  measured ones: a mapping verified width -> seconds (`CostTable`: linear in
+  the width between the listed ones, whatever the live batch) or a callable
+  (width, live) -> seconds; `observe` then prices each step by it and ignores
+  the `step_s` it is given, so the choices do not depend on the machine's
+  speed (tests; the engine still records the measured times).
 
   Choice: argmax E(K) / T(K, live), staying on the current K unless another is
   better by more than `margin`. Warm-up runs each candidate, deepest first,
@@ -69,6 +74,7 @@ class Tuner(Policy):
   stale_rate: float = 0.1
   carry: float = 4.0  # observations the estimates carried into a new batch count as
   prior: float = 0.5  # acceptance assumed before any observation
+  costs: Costs | None = None  # injected step costs in place of the measured ones (None: measured)
   name: str = 'tuner'
 
   def __post_init__(self):
@@ -87,6 +93,7 @@ class Tuner(Policy):
       raise SpecjaxError(f'tuner needs explore_every = 0 or >= 2, margin >= 0 and warmup_tries >= 1, got '
                          f'explore_every={self.explore_every} margin={self.margin} '
                          f'warmup_tries={self.warmup_tries}')
+    object.__setattr__(self, 'costs', step_pricer(self.costs))
     d = candidates[-1]
     object.__setattr__(self, 'estimator', AcceptanceEstimator(d, self.alpha, self.stale_rate, self.carry, self.prior))
     object.__setattr__(self, 'cost_model', CostModel(d + 1, self.level_alpha, self.shape_alpha))
@@ -141,9 +148,10 @@ class Tuner(Policy):
   def observe(self, state: TunerState, k: int, accepted: np.ndarray, step_s: float, live: int,
               drafted: np.ndarray | None = None, width: int | None = None,
               pending: np.ndarray | None = None) -> TunerState:
-    """One step's outcome: accepted [rows], drafted [rows] (None: every row drafted K), the positions
-    its verify pass ran (None: K + 1), and the pending draft lengths `choose` was told (None: not known
-    ahead; a row without a draft at a position then counts as a rejection there)."""
+    """One step's outcome: accepted [rows], step_s (replaced by `costs(width, live)` when costs are
+    injected), drafted [rows] (None: every row drafted K), the positions its verify pass ran (None: K + 1),
+    and the pending draft lengths `choose` was told (None: not known ahead; a row without a draft at a
+    position then counts as a rejection there)."""
     if k not in self.candidates:
       raise SpecjaxError(f'K={k} is not a candidate of this tuner {self.candidates}')
     i = self.candidates.index(k)
@@ -152,6 +160,10 @@ class Tuner(Policy):
     width = k + 1 if width is None else int(width)
     if not 1 <= width <= k + 1:
       raise SpecjaxError(f'a depth-{k} step verifies 1..{k + 1} positions, got width {width}')
+    if self.costs is not None:
+      step_s = float(self.costs(width, live))
+      if not step_s > 0:
+        raise SpecjaxError(f'injected costs must be positive, got {step_s} for width {width} at {live} live')
     acceptance = self.estimator.observe(state.acceptance, k, accepted, drafted, ahead=pending is not None)
     cost = self.cost_model.observe(state.cost, width, step_s, live)
     drafted_steps = state.drafted_steps.copy()
