@@ -34,6 +34,16 @@ from specjax.errors import SpecjaxError
 
 MAX_SEED = 2**31 - 1
 
+# Independent random streams at one position (`row_keys(..., stream)`).
+# Drafters draw with STREAM_SAMPLE too ("coupled" drafting: the Gumbel noise a
+# plain sampler would use at that position). Exactness of the verifier only
+# needs x_i ~ q_i and the accept / residual draws independent of it, which
+# holds; in exchange a drafter whose q equals p reproduces autoregressive
+# sampling token for token.
+STREAM_SAMPLE = 0  # plain sampling, drafts, bonus and match draws
+STREAM_ACCEPT = 2  # accept-test uniforms
+STREAM_RESIDUAL = 3  # residual draws after a rejection
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -212,7 +222,7 @@ def row_keys(
     seed: int | jax.Array,  # scalar, or per-row seeds broadcastable to [...]
     seq_ids: jax.Array,  # [...] int
     positions: jax.Array,  # [...] absolute position of the token drawn
-    stream: int = 0,
+    stream: int = STREAM_SAMPLE,
 ) -> jax.Array:  # [...] typed keys (broadcast shape of the three)
   """Per-(seed, sequence, position) keys; `stream` separates independent uses.
 

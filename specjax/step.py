@@ -17,7 +17,6 @@ and commit the slot of the last kept one (`KVCache.commit`).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from typing import Any
 
@@ -27,7 +26,7 @@ from flax import nnx
 
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
-
+from specjax.depths import step_depth, verify_widths  # noqa: F401  re-exported: older imports read them here
 from specjax.drafters.base import DraftContext
 from specjax.models.contract import append
 from specjax.sampling import SamplingParams
@@ -120,23 +119,6 @@ def propose_phase(graphdef, params, dparams, state, *, drafter, k: int, sampling
   target = nnx.merge(graphdef, params)
   prop = drafter.propose(target, dparams, state.drafter, state.cache, draft_context(state), k, sampling)
   return dataclasses.replace(state, cache=prop.cache, drafter=prop.state), prop
-
-
-def verify_widths(k: int) -> tuple[int, ...]:
-  """Verify widths a depth-K step may use when drafts can be short: 1, 2, 4, ... and K + 1."""
-  return tuple(sorted({w for w in (1, 2, 4, 8, 16) if w < k + 1} | {k + 1}))
-
-
-def step_depth(k: int, pending: int) -> int:
-  """The executable a depth-K step runs when the longest pending draft has `pending` tokens.
-
-  Drafters that draft ahead (`Drafter.drafts_ahead`) tell the host their draft
-  lengths before the step; it verifies only the width the longest one needs,
-  rounded up to `verify_widths(k)`, by running the step compiled for depth
-  width - 1 (0: no drafts, a decode step that still commits through the drafter).
-  """
-  widths = verify_widths(k)
-  return widths[bisect.bisect_left(widths, min(pending, k) + 1)] - 1
 
 
 def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k: int, sampling):

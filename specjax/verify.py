@@ -24,16 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
-from specjax.sampling import SamplingParams
+from specjax.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, SamplingParams
 
-# Independent random streams at one position (see `sampling.row_keys`).
-# Drafters draw with STREAM_SAMPLE too ("coupled" drafting: the Gumbel noise a
-# plain sampler would use at that position). Exactness only needs x_i ~ q_i and
-# the accept / residual draws independent of it, which holds; in exchange a
-# drafter whose q equals p reproduces autoregressive sampling token for token.
-STREAM_SAMPLE = 0  # plain sampling, drafts, bonus and match draws
-STREAM_ACCEPT = 2  # accept-test uniforms
-STREAM_RESIDUAL = 3  # residual draws after a rejection
 RESIDUAL_EPS = 1e-9
 
 

@@ -9,11 +9,14 @@ import pytest
 
 from specjax import SpecjaxError
 from specjax.drafters import NgramDrafter
-from specjax.policies import (ACCEPT, ENV, NONE, REJECT, UNKNOWN, Fixed, Load, StepCosts, Trace, Tuner,
-                              bernoulli_trace, candidates_for, make_policy, oracle_best_fixed, regret,
+from specjax.policies import (ACCEPT, ENV, NONE, REJECT, UNKNOWN, CostTable, Fixed, Load, StepCosts, Trace,
+                              Tuner, bernoulli_trace, candidates_for, make_policy, oracle_best_fixed, regret,
                               simulate, trace_from_stats)
 
 CHEAP_VERIFY = lambda k, live: 1e-3 * (1 + 0.05 * k)  # a deeper block costs little more
+# Step costs injected into tuners run through a real engine, in place of the machine's wall times.
+STEEP_WIDTHS = {1: 1e-3, 9: 20e-3}  # width 9 costs 20 decode steps: K = 2 is best at any acceptance
+CPU_WIDTHS = {1: 1e-3, 9: 2.3e-3}  # width 9 ~2.3x a decode step, as on the CPU
 
 
 @pytest.fixture(autouse=True)
@@ -177,6 +180,33 @@ def test_tuner_prices_steps_by_verified_width():
   np.testing.assert_allclose(capped, [(gain[2] + gain[1]) / 2] + [(gain[3] + gain[1]) / 2] * 3)
   with pytest.raises(SpecjaxError, match='width'):
     tuner.observe(state, 2, np.array([0]), 1.0, 1, np.array([2]), 4)
+
+
+def test_tuner_takes_injected_costs():
+  """`costs=` replaces the measured step seconds: the choices no longer depend on the machine's speed."""
+  table = CostTable(((1, 1.0), (3, 2.0)))
+  assert [table(w, live) for w, live in [(1, 1), (2, 8), (3, 1), (5, 1)]] == [1.0, 1.5, 2.0, 3.0]  # linear in width
+  assert CostTable(((4, 2.0),))(9, 1) == 2.0 and CostTable(((1, 2.0), (3, 1.0)))(9, 1) == pytest.approx(0.1)
+  tuner = Tuner((2, 4), costs={3: 2.0, 1: 1.0})
+  assert tuner.costs == table and hash(tuner) == hash(Tuner((2, 4), costs={1: 1.0, 3: 2.0}))
+  state = tuner.init()
+  for k, seconds in [(2, 123.0), (4, 1e-9), (4, 7.0)]:  # whatever the wall time
+    state = tuner.observe(state, k, np.array([0]), seconds, 1)
+  np.testing.assert_allclose(tuner.step_times(state, 1), [2.0, 3.0])  # widths 3 and 5
+  by_live = Tuner((2, 4), costs=lambda width, live: width * live)  # a callable sees the live batch too
+  state = by_live.observe(by_live.observe(by_live.init(), 2, np.zeros(4, int), 0.5, 4), 4, np.zeros(4, int), 0.5, 4)
+  np.testing.assert_allclose(by_live.step_times(state, 4), [12.0, 20.0])
+  # The same trace and costs choose the same depths whatever the recorded times.
+  trace = bernoulli_trace(0.8, rows=2, length=200, seed=7)
+  runs = [simulate(Tuner((2, 4, 8), costs={1: 1.0, 9: 2.5}), trace, cost=cost).ks
+          for cost in (CHEAP_VERIFY, lambda k, live: 10.0 * k)]
+  assert runs[0] == runs[1]
+  assert make_policy('tuner', family='ngram', costs={1: 1.0}).costs == CostTable(((1, 1.0),))
+  for bad, match in [({}, 'cost table'), ({0: 1.0}, 'cost table'), ({1: 0.0}, 'cost table'), ([1.0], 'costs must')]:
+    with pytest.raises(SpecjaxError, match=match):
+      Tuner((2, 4), costs=bad)
+  with pytest.raises(SpecjaxError, match='positive'):
+    Tuner((2,), costs=lambda width, live: 0.0).observe(Tuner((2,)).init(), 2, np.array([0]), 1.0, 1)
 
 
 def test_tuner_acceptance_given_drafts_known_ahead():
@@ -397,7 +427,7 @@ def test_replay_reproduces_a_recorded_run(tiny_model):
   import specjax
   engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter())
   prompts = ['def add(a, b):\n    return a + b\n\ndef add(a, b):\n', 'The cat sat on the mat. The cat', 'Hello']
-  for policy in (Fixed(4), Tuner((2, 4), explore_every=4)):
+  for policy in (Fixed(4), Tuner((2, 4), explore_every=4, costs=CPU_WIDTHS)):
     results, stats = engine.generate(prompts, max_new_tokens=24, num_draft=policy)
     trace = trace_from_stats(results, stats)
     sim = simulate(policy, trace)
@@ -417,11 +447,15 @@ def test_replay_reproduces_a_recorded_run(tiny_model):
 def test_policy_state_carries_across_requests(tiny_model):
   import specjax
   engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter())
-  tuner = Tuner((2, 4, 6, 8))
+  tuner = Tuner((2, 4, 6, 8), explore_every=0, costs=STEEP_WIDTHS)
   prompt = ['The cat sat on the mat. The cat sat on the mat. The cat']
   _, first = engine.generate(prompt, max_new_tokens=16, num_draft=tuner)
-  warmup = [k for k, _, _ in first.steps[:4]]
-  assert warmup[0] == 8 and warmup == sorted(warmup, reverse=True)  # deepest first
+  ks = [k for k, _, _ in first.steps]
+  warmup = ks[:ks.index(2) + 1]
+  assert warmup[0] == 8 and warmup == sorted(warmup, reverse=True) and set(warmup) == {2, 4, 6, 8}  # deepest first
+  assert set(ks[len(warmup):]) <= {2}  # then the cheapest by the injected costs
+  # The cost model learned the injected costs, not the wall times: widths 3, 5, 7, 9 priced by the table.
+  np.testing.assert_allclose(tuner.step_times(first.policy_state, 1), [tuner.costs(w, 1) for w in (3, 5, 7, 9)])
   _, second = engine.generate(prompt, max_new_tokens=16, num_draft=tuner, policy_state=first.policy_state)
   assert second.policy_state.step == first.policy_state.step + len(second.steps)
-  assert second.steps[0][0] != 8 or len({k for k, _, _ in second.steps}) == 1  # no second warm-up
+  assert {k for k, _, _ in second.steps} == {2}  # no second warm-up

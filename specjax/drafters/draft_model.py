@@ -21,7 +21,7 @@ from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.drafters.registry import DrafterFamily, option
 from specjax.errors import SpecjaxError
 from specjax.models.base import Model
-from specjax.verify import STREAM_SAMPLE
+from specjax.sampling import STREAM_SAMPLE
 
 
 def check_compatible(target: Model, draft: Model) -> None:

@@ -34,7 +34,7 @@ from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.drafters.registry import DrafterFamily
 from specjax.errors import SpecjaxError
 from specjax.models.contract import StepInputs
-from specjax.verify import STREAM_SAMPLE
+from specjax.sampling import STREAM_SAMPLE
 
 
 @jax.tree_util.register_dataclass

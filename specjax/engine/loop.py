@@ -26,8 +26,9 @@ from specjax.metrics import SpecMetrics
 from specjax.models.base import Model
 from specjax.policies import Fixed, Policy
 from specjax.sampling import SamplingParams
+from specjax.depths import step_depth, verify_widths
 from specjax.step import (DecodeState, decode_step, drafter_prefill, drafter_start, prefill_chunk, propose_phase,
-                          spec_step, start, step_depth, verify_phase, verify_widths)
+                          spec_step, start, verify_phase)
 
 
 @dataclasses.dataclass
