@@ -31,26 +31,37 @@ def mode(ks):
 # ---------------------------------------------------------------- candidates and construction
 
 
-def test_candidates_per_family_and_caps():
+@dataclasses.dataclass(frozen=True)
+class BlockOptions:
+  block_size: int = 16
+
+
+@pytest.fixture
+def block_family(monkeypatch):
+  """A registered family whose deepest K depends on its options (block_size - 1, at most 7), as DFlash's will."""
+  from specjax.drafters.registry import REGISTRY, DrafterFamily
+  family = DrafterFamily(name='blocky', options=BlockOptions, build=None, depths=(3, 5, 7),
+                         max_depth=lambda o: min(o.block_size - 1, 7))
+  monkeypatch.setitem(REGISTRY, 'blocky', family)
+  return family
+
+
+def test_candidates_per_family_and_caps(block_family):
   assert candidates_for('mtp') == (2, 3, 4, 6)
-  assert candidates_for('gemma4-assistant') == (2, 3, 4, 6)  # num_assistant_tokens absent: cap 6
-  assert candidates_for('gemma4-assistant', num_assistant_tokens=4) == (2, 3, 4)
-  assert candidates_for('gemma4-assistant', num_assistant_tokens=1) == (1,)
-  assert candidates_for('dflash') == (3, 5, 7)
-  assert candidates_for('dflash', block_size=16) == (3, 5, 7)  # min(15, 7)
-  assert candidates_for('dflash', block_size=6) == (3, 5)
-  assert candidates_for('dflash', block_size=5) == (3, 4)  # the cap itself is a candidate
-  assert candidates_for('dflash', block_size=3) == (2,)
   for family in ('ngram', 'draft-model', 'layer-skip'):
     assert candidates_for(family) == (2, 4, 6, 8)
   assert candidates_for('ngram', max_depth=5) == (2, 4, 5)
   assert candidates_for('mtp', max_depth=3) == (2, 3)
+  assert candidates_for('blocky') == (3, 5, 7)  # min(15, 7)
+  assert candidates_for('blocky', BlockOptions(6)) == (3, 5)
+  assert candidates_for('blocky', BlockOptions(5)) == (3, 4)  # the cap itself is a candidate
+  assert candidates_for('blocky', BlockOptions(3)) == (2,)
+  assert make_policy('tuner', family='blocky', options=BlockOptions(6)).candidates == (3, 5)
+  assert make_policy('load', family='blocky', options=BlockOptions(5)) == Load(full=4)
 
 
 @pytest.mark.parametrize('call, match', [
     (lambda: candidates_for('eagle9'), 'unknown drafter family'),
-    (lambda: candidates_for('dflash', block_size=1), 'block_size'),
-    (lambda: candidates_for('gemma4-assistant', num_assistant_tokens=0), 'num_assistant_tokens'),
     (lambda: candidates_for('ngram', max_depth=0), 'max_depth'),
     (lambda: make_policy('tuner', family='ngram', candidates=(2, 9)), 'outside the drafter'),
     (lambda: make_policy('tuner', family='ngram', candidates=(0, 2)), 'outside the drafter'),
@@ -73,11 +84,9 @@ def test_bad_input_raises(call, match):
 def test_make_policy_defaults():
   assert make_policy('fixed', family='ngram') == Fixed(8)
   assert make_policy('fixed', family='mtp', k=3) == Fixed(3)
-  assert make_policy('tuner', family='dflash', block_size=16).candidates == (3, 5, 7)
   assert make_policy('tuner', family='ngram', candidates=(6, 2, 2)).candidates == (2, 6)
   tuner = make_policy('tuner', family='mtp', explore_every=8, alpha=0.2)
   assert (tuner.candidates, tuner.explore_every, tuner.alpha) == ((2, 3, 4, 6), 8, 0.2)
-  assert make_policy('load', family='gemma4-assistant', num_assistant_tokens=5) == Load(full=5)
   assert make_policy('load', family='ngram', k=6, threshold=4) == Load(full=6, threshold=4)
 
 
@@ -92,7 +101,7 @@ def test_env_override_forces_a_policy(monkeypatch):
   monkeypatch.setenv(ENV, 'tuner:5,2')
   assert make_policy('fixed', family='ngram').candidates == (2, 5)
   monkeypatch.setenv(ENV, 'load')
-  assert make_policy('fixed', family='dflash', block_size=8) == Load(full=7)
+  assert make_policy('fixed', family='mtp') == Load(full=6)
   monkeypatch.setenv(ENV, 'LOAD:6')
   assert make_policy('tuner', family='ngram', threshold=2) == Load(full=6, threshold=2)
   for bad in ('greedy', 'fixed:x', 'fixed:2,4', 'load:1,2'):

@@ -15,14 +15,14 @@ the recorded step-cost tables in `costs`.
 from specjax.depths import verified_width
 from specjax.policies.acceptance import AcceptanceEstimator, AcceptanceState
 from specjax.policies.base import Fixed, Load, Policy
-from specjax.policies.candidates import FAMILY_CANDIDATES, candidates_for, check_candidates
+from specjax.policies.candidates import candidates_for, check_candidates
 from specjax.policies.costs import LIVE_BUCKETS, CostModel, CostState, CostTable, StepCosts, WidthCosts, live_bucket
 from specjax.policies.env import ENV, POLICIES, make_policy
 from specjax.policies.replay import SimResult, oracle_best_fixed, regret, simulate
 from specjax.policies.trace import ACCEPT, NONE, REJECT, UNKNOWN, Trace, bernoulli_trace, trace_from_stats
 from specjax.policies.tuner import Tuner, TunerState
 
-__all__ = ['ACCEPT', 'ENV', 'FAMILY_CANDIDATES', 'LIVE_BUCKETS', 'NONE', 'POLICIES', 'REJECT', 'UNKNOWN',
+__all__ = ['ACCEPT', 'ENV', 'LIVE_BUCKETS', 'NONE', 'POLICIES', 'REJECT', 'UNKNOWN',
            'AcceptanceEstimator', 'AcceptanceState', 'CostModel', 'CostState', 'CostTable', 'Fixed', 'Load', 'Policy',
            'SimResult', 'StepCosts', 'Trace', 'Tuner', 'TunerState', 'WidthCosts', 'bernoulli_trace',
            'candidates_for', 'check_candidates', 'live_bucket', 'make_policy', 'oracle_best_fixed', 'regret',

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from specjax.errors import SpecjaxError
 from specjax.policies.base import Fixed, Load, Policy
@@ -49,11 +49,11 @@ def _from_env(value: str) -> tuple[str, int | None, tuple[int, ...] | None]:
 
 
 def make_policy(name: str, *, family: str, candidates: Sequence[int] | None = None, k: int | None = None,
-                max_depth: int = 8, block_size: int | None = None, num_assistant_tokens: int | None = None,
-                **kw) -> Policy:
+                max_depth: int = 8, options: Any = None, **kw) -> Policy:
   """Builds 'fixed' (depth k), 'tuner' or 'load' (full depth k) for a drafter family.
 
-  Candidates default to `candidates_for(family, ...)`; k defaults to the
+  Candidates default to `candidates_for(family, options)` (the drafter
+  family's registry entry and its options); k defaults to the
   deepest candidate. `kw` are the policy's options (tuner: alpha, level_alpha, shape_alpha,
   explore_every, margin, prior; load: reduced, threshold). SPECJAX_POLICY, when
   set, overrides name (and k / candidates when it gives them).
@@ -76,8 +76,7 @@ def make_policy(name: str, *, family: str, candidates: Sequence[int] | None = No
   def depths() -> tuple[int, ...]:
     if candidates is not None:
       return check_candidates(candidates, max_depth)
-    return candidates_for(family, block_size=block_size, num_assistant_tokens=num_assistant_tokens,
-                          max_depth=max_depth)
+    return candidates_for(family, options, max_depth=max_depth)
 
   if name == 'tuner':
     return Tuner(depths(), **kw)
