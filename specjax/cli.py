@@ -189,6 +189,7 @@ def default_depth(args) -> int:
 
 
 def load_engine(args, with_drafter: bool):
+  """(model, engine, drafter options) for the flags; bad drafter options fail before any weight is read."""
   import specjax
   from specjax.drafters import get, make_drafter
   kind = drafter_kind(args) if with_drafter else None
@@ -203,7 +204,7 @@ def load_engine(args, with_drafter: bool):
                           max_seq_len=args.max_seq_len, drafter=drafter,
                           max_draft=max(args.max_draft, args.n_predict or 0) if with_drafter else 8,
                           profile=getattr(args, 'profile', False))
-  return model, engine
+  return model, engine, options
 
 
 def cmd_run(args) -> int:
@@ -214,11 +215,11 @@ def cmd_run(args) -> int:
     raise SpecjaxError(f'--n-predict must be at least 1, got {k}')
   if args.max_new_tokens < 1:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
-  model, engine = load_engine(args, with_drafter=True)
+  model, engine, options = load_engine(args, with_drafter=True)
   depth = k
   if args.policy or os.environ.get('SPECJAX_POLICY'):
     from specjax.policies import make_policy
-    depth = make_policy(args.policy or 'fixed', family=engine.drafter.name, k=args.n_predict,
+    depth = make_policy(args.policy or 'fixed', family=engine.drafter.name, k=args.n_predict, options=options,
                         max_depth=engine.max_draft)
   return _generate_and_print(args, model, engine, prompts, sampling, num_draft=depth)
 
@@ -232,7 +233,7 @@ def cmd_bench(args) -> int:
   prompts = bench.load_prompts(args.prompts, args.categories, args.limit)
   if not prompts:
     raise SpecjaxError(f'no prompts selected from {args.prompts or "Spec-Bench question.jsonl"}')
-  model, engine = load_engine(args, with_drafter=True)
+  model, engine, _ = load_engine(args, with_drafter=True)
   for k in depths:
     engine.check_depth(k)
 

@@ -66,12 +66,12 @@ def make_policy(name: str, *, family: str, candidates: Sequence[int] | None = No
   if name not in POLICIES:
     raise SpecjaxError(f'unknown policy {name!r} (choose from {", ".join(POLICIES)})')
   cls = {'fixed': Fixed, 'tuner': Tuner, 'load': Load}[name]
-  options = {f.name for f in dataclasses.fields(cls)} - {'name', 'k', 'full', 'candidates'}
+  allowed = {f.name for f in dataclasses.fields(cls)} - {'name', 'k', 'full', 'candidates'}
   if forced:
-    kw = {key: v for key, v in kw.items() if key in options}
-  unknown = sorted(set(kw) - options)
+    kw = {key: v for key, v in kw.items() if key in allowed}
+  unknown = sorted(set(kw) - allowed)
   if unknown:
-    raise SpecjaxError(f'policy {name!r} has no option {", ".join(unknown)} (options: {", ".join(sorted(options))})')
+    raise SpecjaxError(f'policy {name!r} has no option {", ".join(unknown)} (options: {", ".join(sorted(allowed))})')
 
   def depths() -> tuple[int, ...]:
     if candidates is not None:

@@ -68,6 +68,7 @@ def make_cell_policy(cell: Cell):
                        '(policy.* or grid.policy): unset it')
   p, kind = cell.section('policy'), drafter_key(cell)[0]
   return policies.make_policy(p['name'], family=kind, candidates=tuple(p['candidates']) or None, k=p['k'],
+                              options=drafter_options(cell),
                               max_depth=_max_depth(cell))
 
 
