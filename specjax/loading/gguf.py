@@ -378,12 +378,7 @@ def _gemma3_config(
       raise SpecjaxError(f'GGUF metadata lacks gemma3.{key}')
     return meta[f'gemma3.{key}']
 
-  if 'token_embd.weight' not in tensors:
-    raise SpecjaxError('GGUF file has no token_embd.weight tensor')
-  hidden = int(need('embedding_length'))
-  layers = int(need('block_count'))
-  heads = int(need('attention.head_count'))
-  head_dim = int(get('attention.key_length', hidden // heads))
+  hidden, layers, heads, head_dim = _dimensions(tensors, need, get)
 
   pattern = get('attention.sliding_window_pattern', 6)
   if isinstance(pattern, list):
@@ -407,15 +402,8 @@ def _gemma3_config(
   return {
       'architectures': ['Gemma3ForCausalLM'],
       'model_type': 'gemma3_text',
-      'vocab_size': tensors['token_embd.weight'].shape[0],
-      'hidden_size': hidden,
-      'intermediate_size': int(need('feed_forward_length')),
-      'num_hidden_layers': layers,
-      'num_attention_heads': heads,
-      'num_key_value_heads': int(get('attention.head_count_kv', heads)),
-      'head_dim': head_dim,
+      **_decoder_keys(meta, tensors, need, get, hidden, layers, heads, head_dim),
       'hidden_activation': 'gelu_pytorch_tanh',
-      'rms_norm_eps': _f32(need('attention.layer_norm_rms_epsilon')),
       'rope_theta': _f32(get('rope.freq_base', 1_000_000.0)),
       'rope_local_base_freq': _f32(get('rope.freq_base_swa', 10_000.0)),
       'rope_scaling': rope_scaling,
@@ -429,6 +417,29 @@ def _gemma3_config(
       'attn_logit_softcapping': (
           None if attn_softcap is None else _f32(attn_softcap)),
       'max_position_embeddings': int(get('context_length', 32768)),
+  }
+
+
+def _dimensions(tensors, need, get) -> tuple[int, int, int, int]:
+  """(hidden size, layers, query heads, head dim) of a decoder's metadata."""
+  if 'token_embd.weight' not in tensors:
+    raise SpecjaxError('GGUF file has no token_embd.weight tensor')
+  hidden = int(need('embedding_length'))
+  heads = int(need('attention.head_count'))
+  return hidden, int(need('block_count')), heads, int(get('attention.key_length', hidden // heads))
+
+
+def _decoder_keys(meta, tensors, need, get, hidden: int, layers: int, heads: int, head_dim: int) -> dict[str, Any]:
+  """The HF config keys every decoder family reads the same way from GGUF metadata."""
+  return {
+      'vocab_size': tensors['token_embd.weight'].shape[0],
+      'hidden_size': hidden,
+      'intermediate_size': int(need('feed_forward_length')),
+      'num_hidden_layers': layers,
+      'num_attention_heads': heads,
+      'num_key_value_heads': int(get('attention.head_count_kv', heads)),
+      'head_dim': head_dim,
+      'rms_norm_eps': _f32(need('attention.layer_norm_rms_epsilon')),
       'tie_word_embeddings': 'output.weight' not in tensors,
       'bos_token_id': meta.get('tokenizer.ggml.bos_token_id'),
       'eos_token_id': meta.get('tokenizer.ggml.eos_token_id'),
@@ -508,12 +519,7 @@ def _dense_config(
       raise SpecjaxError(f'GGUF metadata lacks {arch}.{key}')
     return get(key)
 
-  if 'token_embd.weight' not in tensors:
-    raise SpecjaxError('GGUF file has no token_embd.weight tensor')
-  hidden = int(need('embedding_length'))
-  layers = int(need('block_count'))
-  heads = int(need('attention.head_count'))
-  head_dim = int(get('attention.key_length', hidden // heads))
+  hidden, layers, heads, head_dim = _dimensions(tensors, need, get)
   for key in ('attention.value_length', 'rope.dimension_count'):
     if int(get(key, head_dim)) != head_dim:
       raise SpecjaxError(
@@ -534,23 +540,12 @@ def _dense_config(
                          'mistral': 'MistralForCausalLM',
                          'qwen3': 'Qwen3ForCausalLM'}[model_type]],
       'model_type': model_type,
-      'vocab_size': tensors['token_embd.weight'].shape[0],
-      'hidden_size': hidden,
-      'intermediate_size': int(need('feed_forward_length')),
-      'num_hidden_layers': layers,
-      'num_attention_heads': heads,
-      'num_key_value_heads': int(get('attention.head_count_kv', heads)),
-      'head_dim': head_dim,
+      **_decoder_keys(meta, tensors, need, get, hidden, layers, heads, head_dim),
       'hidden_act': 'silu',
-      'rms_norm_eps': _f32(need('attention.layer_norm_rms_epsilon')),
       'rope_theta': rope_theta,
       'rope_scaling': rope_scaling,
       'max_position_embeddings': context,
       'attention_bias': False,
-      'tie_word_embeddings': 'output.weight' not in tensors,
-      'bos_token_id': meta.get('tokenizer.ggml.bos_token_id'),
-      'eos_token_id': meta.get('tokenizer.ggml.eos_token_id'),
-      'pad_token_id': meta.get('tokenizer.ggml.padding_token_id'),
   }
   if arch == 'llama':
     config['mlp_bias'] = False
