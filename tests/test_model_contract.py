@@ -215,3 +215,18 @@ def test_dtype_setting(tmp_path):
   assert specjax.load(TINY).dtype == jnp.float32  # the CPU default
   with pytest.raises(specjax.SpecjaxError, match='unknown dtype'):
     specjax.load(TINY, dtype='int8')
+
+
+def test_hybrid_cache_free_forward_equals_paged():
+  """Without a cache the Gated DeltaNet layers start from zero state: the same hidden states as the paged forward."""
+  from conftest import FIXTURES
+  model = specjax.load(f'{FIXTURES}/tiny_qwen3_5')
+  forward = jitted_forward(model.module())
+  b, t = 2, 10
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 100, (b, t)).astype(np.int32))
+  lens = jnp.asarray([t, 7], jnp.int32)
+  cache = make_cache(model, b, t)
+  paged, _, _ = forward(tokens, StepInputs.chain(cache, lens, t), cache)
+  free, _, _ = forward(tokens, StepInputs.chain(None, lens, t), None)
+  np.testing.assert_allclose(np.asarray(free)[0], np.asarray(paged)[0], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(free)[1, :7], np.asarray(paged)[1, :7], atol=1e-5)
