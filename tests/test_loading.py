@@ -26,11 +26,12 @@ def test_single_and_sharded_directories():
   assert 'model.embed_tokens.weight' in sharded.tensors
 
 
-def test_hub_id_from_local_cache(tmp_path, monkeypatch):
+@pytest.mark.parametrize('name', ['tiny_gemma3', 'tiny_llama3', 'tiny_mistral', 'tiny_qwen3'])
+def test_hub_id_from_local_cache(tmp_path, monkeypatch, name):
   """A hub id resolves offline from an HF cache layout (models--org--name/snapshots/<rev>)."""
   revision = 'a' * 40
   repo = tmp_path / 'hub' / 'models--specjax-test--tiny-gemma3'
-  shutil.copytree(TINY, repo / 'snapshots' / revision)
+  shutil.copytree(os.path.join(os.path.dirname(TINY), name), repo / 'snapshots' / revision)
   (repo / 'refs').mkdir()
   (repo / 'refs' / 'main').write_text(revision)
   monkeypatch.setenv('HF_HUB_CACHE', str(tmp_path / 'hub'))
