@@ -35,11 +35,15 @@ import numpy as np
 
 PROMPTS = {
     'code': 'def fibonacci(n):\n    """Return the n-th Fibonacci number using iteration."""\n',
-    'math': ('Question: A bakery sells muffins for $3 each and cookies for $2 each. On Monday it sold '
-             '24 muffins and 35 cookies. How much money did the bakery make on Monday?\n'
-             "Answer: Let's think step by step."),
-    'chat': ('<start_of_turn>user\nWhat are three simple tips for staying healthy while working from home?'
-             '<end_of_turn>\n<start_of_turn>model\n'),
+    'math': (
+        'Question: A bakery sells muffins for $3 each and cookies for $2 each. On Monday it sold '
+        '24 muffins and 35 cookies. How much money did the bakery make on Monday?\n'
+        "Answer: Let's think step by step."
+    ),
+    'chat': (
+        '<start_of_turn>user\nWhat are three simple tips for staying healthy while working from home?'
+        '<end_of_turn>\n<start_of_turn>model\n'
+    ),
 }
 MODEL = 'gemma-3-270m'
 DEFAULT_HF_PYTHON = '/work/torchenv/bin/python'
@@ -67,19 +71,26 @@ def hf_worker(spec_path: str, out_path: str):
   gguf = pathlib.Path(spec['gguf'])
   t = time.perf_counter()
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+      str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+  ).eval()
   load_s = time.perf_counter() - t
   log(f'transformers: model loaded in {load_s:.1f} s')
 
   def generate(ids: list[int], max_new: int, scores: bool = False):
     x = torch.tensor([ids], dtype=torch.long)
-    kwargs = dict(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                  do_sample=False, output_scores=scores, return_dict_in_generate=True)
+    kwargs = dict(
+        input_ids=x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_new,
+        do_sample=False,
+        output_scores=scores,
+        return_dict_in_generate=True,
+    )
     t = time.perf_counter()
     with torch.inference_mode():
       out = model.generate(**kwargs)
     seconds = time.perf_counter() - t
-    return out, out.sequences[0, len(ids):].tolist(), seconds
+    return out, out.sequences[0, len(ids) :].tolist(), seconds
 
   n = spec['max_new_tokens']
   results = {}
@@ -92,12 +103,19 @@ def hf_worker(spec_path: str, out_path: str):
       _, new_ids, seconds = generate(ids, n)
       e2e_s.append(seconds)
       first_s.append(generate(ids, 1)[2])
-    results[name] = dict(new_ids=new_ids, e2e_s=e2e_s, prefill_plus_one_s=first_s, margins=margins,
-                         deterministic=checked == new_ids)
+    results[name] = dict(
+        new_ids=new_ids, e2e_s=e2e_s, prefill_plus_one_s=first_s, margins=margins, deterministic=checked == new_ids
+    )
     log(f'transformers {name}: {len(new_ids) / min(e2e_s):.1f} tok/s e2e')
-  summary = dict(torch=torch.__version__, transformers=transformers.__version__,
-                 threads=torch.get_num_threads(), attention=model.config._attn_implementation,
-                 num_params=sum(p.numel() for p in model.parameters()), load_s=load_s, prompts=results)
+  summary = dict(
+      torch=torch.__version__,
+      transformers=transformers.__version__,
+      threads=torch.get_num_threads(),
+      attention=model.config._attn_implementation,
+      num_params=sum(p.numel() for p in model.parameters()),
+      load_s=load_s,
+      prompts=results,
+  )
   pathlib.Path(out_path).write_text(json.dumps(summary))
 
 
@@ -105,8 +123,7 @@ def run_hf(hf_python: str, gguf: str, prompt_ids: dict, max_new_tokens: int, rep
   """Launches `hf_worker` in the side environment and returns its JSON."""
   with tempfile.TemporaryDirectory() as tmp:
     spec_path, out_path = os.path.join(tmp, 'spec.json'), os.path.join(tmp, 'out.json')
-    spec = dict(gguf=gguf, prompts=prompt_ids, max_new_tokens=max_new_tokens, repeats=repeats,
-                threads=HF_THREADS)
+    spec = dict(gguf=gguf, prompts=prompt_ids, max_new_tokens=max_new_tokens, repeats=repeats, threads=HF_THREADS)
     pathlib.Path(spec_path).write_text(json.dumps(spec))
     env = dict(os.environ, HF_HUB_OFFLINE='1', TRANSFORMERS_NO_ADVISORY_WARNINGS='1')
     cmd = [hf_python, os.path.abspath(__file__), '--worker', spec_path, out_path]
@@ -120,9 +137,12 @@ def hf_rates(side: dict) -> dict:
   """Best-of e2e tok/s and the decode estimate (n - 1) / (t(n) - t(1))."""
   ids = side['new_ids']
   t_n, t_1 = min(side['e2e_s']), min(side['prefill_plus_one_s'])
-  return dict(tokens=len(ids), e2e_tok_s=len(ids) / t_n,
-              decode_tok_s=(len(ids) - 1) / (t_n - t_1) if t_n > t_1 else float('nan'),
-              prefill_plus_one_s=t_1)
+  return dict(
+      tokens=len(ids),
+      e2e_tok_s=len(ids) / t_n,
+      decode_tok_s=(len(ids) - 1) / (t_n - t_1) if t_n > t_1 else float('nan'),
+      prefill_plus_one_s=t_1,
+  )
 
 
 # ---------------------------------------------------------------- bandwidth
@@ -182,9 +202,17 @@ def measure_bandwidth() -> list[dict]:
   for name, kind, threads, fn in kernels:
     best, median = _rates(fn, nbytes)
     factor = 2 if kind == 'copy' else 1  # a copy reads and writes every byte
-    out.append(dict(kernel=name, kind=kind, threads=threads,
-                    traffic_gb_s=factor * best / GB, traffic_gb_s_median=factor * median / GB,
-                    read_gb_s=best / GB, read_gb_s_median=median / GB))
+    out.append(
+        dict(
+            kernel=name,
+            kind=kind,
+            threads=threads,
+            traffic_gb_s=factor * best / GB,
+            traffic_gb_s_median=factor * median / GB,
+            read_gb_s=best / GB,
+            read_gb_s_median=median / GB,
+        )
+    )
     log(f'bandwidth {name}: {factor * best / GB:.1f} GB/s traffic, {best / GB:.1f} GB/s read')
   del src, dst, box
   return out
@@ -202,8 +230,12 @@ def bounds(bandwidth: list[dict], bytes_per_token: int) -> dict:
   out = {}
   for key, pairs in rates.items():
     best, median = max(p[0] for p in pairs), max(p[1] for p in pairs)
-    out[key] = dict(gb_s=best, gb_s_median=median, bound_tok_s=best * GB / bytes_per_token,
-                    bound_tok_s_median=median * GB / bytes_per_token)
+    out[key] = dict(
+        gb_s=best,
+        gb_s_median=median,
+        bound_tok_s=best * GB / bytes_per_token,
+        bound_tok_s_median=median * GB / bytes_per_token,
+    )
   return out
 
 
@@ -219,8 +251,7 @@ def run_specjax(max_new_tokens: int, repeats: int):
   load_s = time.perf_counter() - t
   engine = specjax.Engine(model)
   prompt_ids = {name: engine.encode([text])[0] for name, text in PROMPTS.items()}
-  log(f'specjax: loaded in {load_s:.1f} s, prompt tokens '
-      + ', '.join(f'{k} {len(v)}' for k, v in prompt_ids.items()))
+  log(f'specjax: loaded in {load_s:.1f} s, prompt tokens ' + ', '.join(f'{k} {len(v)}' for k, v in prompt_ids.items()))
   compile_s = 0.0
   for ids in prompt_ids.values():  # warm-up: compiles every bucket used below
     compile_s += engine.generate([ids], max_new_tokens=max_new_tokens)[1].compile_s
@@ -232,18 +263,33 @@ def run_specjax(max_new_tokens: int, repeats: int):
       runs.append(stats)
       tokens, finish = res.tokens, res.finish_reason
     results[name] = dict(
-        tokens=len(tokens), new_ids=tokens, finish_reason=finish,
+        tokens=len(tokens),
+        new_ids=tokens,
+        finish_reason=finish,
         e2e_tok_s=max(r.tokens_per_s for r in runs),
         decode_tok_s=max(r.decode_tokens_per_s for r in runs),
         prefill_s=min(r.prefill_s for r in runs),
         compile_s_in_timed_runs=sum(r.compile_s for r in runs),
-        runs=[dict(prefill_s=r.prefill_s, decode_s=r.decode_s, decode_steps=r.decode_steps,
-                   tokens_per_s=r.tokens_per_s, decode_tokens_per_s=r.decode_tokens_per_s) for r in runs])
-    log(f'specjax {name}: {results[name]["e2e_tok_s"]:.1f} tok/s e2e, '
-        f'{results[name]["decode_tok_s"]:.1f} decode')
-  info = dict(load_s=load_s, compile_s=compile_s, param_bytes=model.param_bytes,
-              num_params=model.num_params, kv_shapes=[list(s) for s in model.kv_shapes],
-              source=model.source)
+        runs=[
+            dict(
+                prefill_s=r.prefill_s,
+                decode_s=r.decode_s,
+                decode_steps=r.decode_steps,
+                tokens_per_s=r.tokens_per_s,
+                decode_tokens_per_s=r.decode_tokens_per_s,
+            )
+            for r in runs
+        ],
+    )
+    log(f'specjax {name}: {results[name]["e2e_tok_s"]:.1f} tok/s e2e, ' f'{results[name]["decode_tok_s"]:.1f} decode')
+  info = dict(
+      load_s=load_s,
+      compile_s=compile_s,
+      param_bytes=model.param_bytes,
+      num_params=model.num_params,
+      kv_shapes=[list(s) for s in model.kv_shapes],
+      source=model.source,
+  )
   return model, prompt_ids, results, info
 
 
@@ -262,10 +308,11 @@ def cpu_snapshot() -> dict:
   fields = [int(x) for x in pathlib.Path('/proc/stat').read_text().split('\n')[0].split()[1:9]]
   user, nice, system, _, _, irq, softirq, steal = fields
   tick = os.sysconf('SC_CLK_TCK')
-  own = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                              resource.getrusage(resource.RUSAGE_CHILDREN)))
-  return dict(wall=time.perf_counter(), busy=(user + nice + system + irq + softirq) / tick,
-              steal=steal / tick, own=own)
+  own = sum(
+      u.ru_utime + u.ru_stime
+      for u in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+  )
+  return dict(wall=time.perf_counter(), busy=(user + nice + system + irq + softirq) / tick, steal=steal / tick, own=own)
 
 
 def cpu_usage(before: dict, after: dict) -> dict:
@@ -273,8 +320,13 @@ def cpu_usage(before: dict, after: dict) -> dict:
   wall = after['wall'] - before['wall']
   others = max(0.0, (after['busy'] - before['busy']) - (after['own'] - before['own']))
   steal = after['steal'] - before['steal']
-  return dict(wall_s=wall, others_cpu_s=others, steal_cpu_s=steal,
-              others_share=others / (wall * os.cpu_count()), steal_share=steal / (wall * os.cpu_count()))
+  return dict(
+      wall_s=wall,
+      others_cpu_s=others,
+      steal_cpu_s=steal,
+      others_share=others / (wall * os.cpu_count()),
+      steal_share=steal / (wall * os.cpu_count()),
+  )
 
 
 # ---------------------------------------------------------------- report
@@ -290,8 +342,13 @@ def machine() -> dict:
   except OSError:
     pass
   mem = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-  return dict(cpu=cpu, cores=os.cpu_count(), memory_gib=round(mem / 2**30, 1),
-              python=platform.python_version(), platform=platform.platform())
+  return dict(
+      cpu=cpu,
+      cores=os.cpu_count(),
+      memory_gib=round(mem / 2**30, 1),
+      python=platform.python_version(),
+      platform=platform.platform(),
+  )
 
 
 def report(r: dict) -> str:
@@ -308,14 +365,26 @@ def report(r: dict) -> str:
   for name in PROMPTS:
     s = r['specjax']['prompts'][name]
     h = r['transformers']['prompts'].get(name) if r['transformers'] else None
-    cells = [name, str(len(r['prompt_ids'][name])), f'{s["e2e_tok_s"]:.1f}', f'{s["decode_tok_s"]:.1f}',
-             f'{1e3 * s["prefill_s"]:.0f}']
+    cells = [
+        name,
+        str(len(r['prompt_ids'][name])),
+        f'{s["e2e_tok_s"]:.1f}',
+        f'{s["decode_tok_s"]:.1f}',
+        f'{1e3 * s["prefill_s"]:.0f}',
+    ]
     if h:
       cmp = r['comparison'][name]
-      same = 'yes' if cmp['first_divergence'] is None else (
-          f'no: from token {cmp["first_divergence"]} (margin {cmp["margin_at_divergence"]:.3f})')
-      cells += [f'{h["e2e_tok_s"]:.1f}', f'{h["decode_tok_s"]:.1f}', f'{s["e2e_tok_s"] / h["e2e_tok_s"]:.2f}x',
-                f'{s["decode_tok_s"] / h["decode_tok_s"]:.2f}x']
+      same = (
+          'yes'
+          if cmp['first_divergence'] is None
+          else (f'no: from token {cmp["first_divergence"]} (margin {cmp["margin_at_divergence"]:.3f})')
+      )
+      cells += [
+          f'{h["e2e_tok_s"]:.1f}',
+          f'{h["decode_tok_s"]:.1f}',
+          f'{s["e2e_tok_s"] / h["e2e_tok_s"]:.2f}x',
+          f'{s["decode_tok_s"] / h["decode_tok_s"]:.2f}x',
+      ]
     else:
       cells += ['n/a'] * 4
     cells.append(f'{s["decode_tok_s"] / bound:.0%}')
@@ -324,51 +393,86 @@ def report(r: dict) -> str:
       cells[0] += f' (tokens: specjax {s["tokens"]}, transformers {h["tokens"] if h else "n/a"})'
     lines.append('| ' + ' | '.join(cells) + ' |')
   summary = r['summary']
-  lines += ['', f'mean over prompts: specjax {summary["specjax_e2e_tok_s"]:.1f} tok/s e2e, '
-            f'{summary["specjax_decode_tok_s"]:.1f} decode; compile {r["specjax"]["compile_s"]:.1f} s '
-            f'(warm-up, excluded); load {r["specjax"]["load_s"]:.1f} s']
+  lines += [
+      '',
+      f'mean over prompts: specjax {summary["specjax_e2e_tok_s"]:.1f} tok/s e2e, '
+      f'{summary["specjax_decode_tok_s"]:.1f} decode; compile {r["specjax"]["compile_s"]:.1f} s '
+      f'(warm-up, excluded); load {r["specjax"]["load_s"]:.1f} s',
+  ]
   if r['transformers']:
     t = r['transformers']
-    lines.append(f'transformers {t["transformers"]} / torch {t["torch"]}, {t["threads"]} threads, '
-                 f'{t["attention"]} attention: {summary["hf_e2e_tok_s"]:.1f} tok/s e2e, '
-                 f'{summary["hf_decode_tok_s"]:.1f} decode; load {t["load_s"]:.1f} s; '
-                 f'specjax / transformers e2e {summary["e2e_ratio"]:.2f}x, decode {summary["decode_ratio"]:.2f}x')
-  lines += ['', '## Memory bandwidth (512 MB float32 buffers, best / median of '
-            f'{BANDWIDTH_REPEATS})', '',
-            '| kernel | kind | threads | traffic GB/s (read + write) | read GB/s |', '|---|---|---|---|---|']
+    lines.append(
+        f'transformers {t["transformers"]} / torch {t["torch"]}, {t["threads"]} threads, '
+        f'{t["attention"]} attention: {summary["hf_e2e_tok_s"]:.1f} tok/s e2e, '
+        f'{summary["hf_decode_tok_s"]:.1f} decode; load {t["load_s"]:.1f} s; '
+        f'specjax / transformers e2e {summary["e2e_ratio"]:.2f}x, decode {summary["decode_ratio"]:.2f}x'
+    )
+  lines += [
+      '',
+      '## Memory bandwidth (512 MB float32 buffers, best / median of ' f'{BANDWIDTH_REPEATS})',
+      '',
+      '| kernel | kind | threads | traffic GB/s (read + write) | read GB/s |',
+      '|---|---|---|---|---|',
+  ]
   for b in r['bandwidth']:
-    lines.append(f'| {b["kernel"]} | {b["kind"]} | {b["threads"]} | {b["traffic_gb_s"]:.1f} / '
-                 f'{b["traffic_gb_s_median"]:.1f} | {b["read_gb_s"]:.1f} / {b["read_gb_s_median"]:.1f} |')
+    lines.append(
+        f'| {b["kernel"]} | {b["kind"]} | {b["threads"]} | {b["traffic_gb_s"]:.1f} / '
+        f'{b["traffic_gb_s_median"]:.1f} | {b["read_gb_s"]:.1f} / {b["read_gb_s_median"]:.1f} |'
+    )
   bpt = r['bytes_per_token']
-  lines += ['', f'weight bytes read per decode token: {bpt:,} ({bpt / GB:.3f} GB, float32 params; '
-            f'KV cache reads add at most {r["kv_bytes_per_token_max"] / 1e6:.1f} MB, not counted)', '',
-            '| bound definition | bandwidth GB/s, best / median | bound tok/s, best / median '
-            '| specjax decode / bound, best / median |', '|---|---|---|---|']
-  names = {'copy_traffic': '**copy traffic, read + write (STREAM counting): the bound**',
-           'read_only': 'read-only kernels (reference)',
-           'copy_bytes_read': 'copy, bytes read only (lenient)'}
+  lines += [
+      '',
+      f'weight bytes read per decode token: {bpt:,} ({bpt / GB:.3f} GB, float32 params; '
+      f'KV cache reads add at most {r["kv_bytes_per_token_max"] / 1e6:.1f} MB, not counted)',
+      '',
+      '| bound definition | bandwidth GB/s, best / median | bound tok/s, best / median '
+      '| specjax decode / bound, best / median |',
+      '|---|---|---|---|',
+  ]
+  names = {
+      'copy_traffic': '**copy traffic, read + write (STREAM counting): the bound**',
+      'read_only': 'read-only kernels (reference)',
+      'copy_bytes_read': 'copy, bytes read only (lenient)',
+  }
   for key, label in names.items():
     b = r['bounds'][key]
     decode = summary['specjax_decode_tok_s']
-    lines.append(f'| {label} | {b["gb_s"]:.1f} / {b["gb_s_median"]:.1f} | {b["bound_tok_s"]:.1f} / '
-                 f'{b["bound_tok_s_median"]:.1f} | {decode / b["bound_tok_s"]:.0%} / '
-                 f'{decode / b["bound_tok_s_median"]:.0%} |')
-  lines += ['', f'targets: e2e >= 1.2x transformers: '
-            + (f'{"PASS" if summary["e2e_ratio"] >= 1.2 else "FAIL"} ({summary["e2e_ratio"]:.2f}x)'
-               if r['transformers'] else 'n/a')
-            + f'; decode >= 80% of the bound: {"PASS" if summary["fraction_of_bound"] >= 0.8 else "FAIL"} '
-            f'({summary["fraction_of_bound"]:.0%})']
-  lines += ['', 'other load during the run (CPU seconds used by other processes / stolen by the hypervisor, '
-            'as a share of the cores): ' + '; '.join(
-                f'{k} {v["others_cpu_s"]:.1f} s ({v["others_share"]:.0%}) / {v["steal_cpu_s"]:.1f} s '
-                f'({v["steal_share"]:.0%}) over {v["wall_s"]:.0f} s' for k, v in r['interference'].items())]
+    lines.append(
+        f'| {label} | {b["gb_s"]:.1f} / {b["gb_s_median"]:.1f} | {b["bound_tok_s"]:.1f} / '
+        f'{b["bound_tok_s_median"]:.1f} | {decode / b["bound_tok_s"]:.0%} / '
+        f'{decode / b["bound_tok_s_median"]:.0%} |'
+    )
+  lines += [
+      '',
+      f'targets: e2e >= 1.2x transformers: '
+      + (
+          f'{"PASS" if summary["e2e_ratio"] >= 1.2 else "FAIL"} ({summary["e2e_ratio"]:.2f}x)'
+          if r['transformers']
+          else 'n/a'
+      )
+      + f'; decode >= 80% of the bound: {"PASS" if summary["fraction_of_bound"] >= 0.8 else "FAIL"} '
+      f'({summary["fraction_of_bound"]:.0%})',
+  ]
+  lines += [
+      '',
+      'other load during the run (CPU seconds used by other processes / stolen by the hypervisor, '
+      'as a share of the cores): '
+      + '; '.join(
+          f'{k} {v["others_cpu_s"]:.1f} s ({v["others_share"]:.0%}) / {v["steal_cpu_s"]:.1f} s '
+          f'({v["steal_share"]:.0%}) over {v["wall_s"]:.0f} s'
+          for k, v in r['interference'].items()
+      ),
+  ]
   return '\n'.join(lines)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--hf-python', default=DEFAULT_HF_PYTHON if os.path.exists(DEFAULT_HF_PYTHON) else 'none',
-                 help="python of an environment with torch + transformers, or 'none' to skip that side")
+  p.add_argument(
+      '--hf-python',
+      default=DEFAULT_HF_PYTHON if os.path.exists(DEFAULT_HF_PYTHON) else 'none',
+      help="python of an environment with torch + transformers, or 'none' to skip that side",
+  )
   p.add_argument('--max-new-tokens', type=int, default=64)
   p.add_argument('--repeats', type=int, default=2)
   p.add_argument('--json', help='write every number to this file')
@@ -396,6 +500,7 @@ def main(argv=None):
 
   from specjax.loading.registry import DEMO_MODELS
   import jax
+
   gguf = DEMO_MODELS[MODEL].path()
   hf = None
   if args.hf_python != 'none':
@@ -414,16 +519,17 @@ def main(argv=None):
       side.update(hf_rates(side))
       div = first_divergence(sj_results[name]['new_ids'], side['new_ids'])
       margin = side['margins'][div] if div is not None and div < len(side['margins']) else None
-      comparison[name] = dict(first_divergence=div, margin_at_divergence=margin,
-                              min_margin=min(side['margins']))
+      comparison[name] = dict(first_divergence=div, margin_at_divergence=margin, min_margin=min(side['margins']))
 
   bytes_per_token = sj_info['param_bytes']
   context = max(len(v) for v in prompt_ids.values()) + args.max_new_tokens
   kv_max = sum(2 * h * d * 4 for h, d in sj_info['kv_shapes']) * context
   bound = bounds(bandwidth, bytes_per_token)
   mean = lambda xs: sum(xs) / len(xs)
-  summary = dict(specjax_e2e_tok_s=mean([v['e2e_tok_s'] for v in sj_results.values()]),
-                 specjax_decode_tok_s=mean([v['decode_tok_s'] for v in sj_results.values()]))
+  summary = dict(
+      specjax_e2e_tok_s=mean([v['e2e_tok_s'] for v in sj_results.values()]),
+      specjax_decode_tok_s=mean([v['decode_tok_s'] for v in sj_results.values()]),
+  )
   summary['fraction_of_bound'] = summary['specjax_decode_tok_s'] / bound['copy_traffic']['bound_tok_s']
   if hf:
     summary['hf_e2e_tok_s'] = mean([hf['prompts'][k]['e2e_tok_s'] for k in PROMPTS])
@@ -431,17 +537,36 @@ def main(argv=None):
     summary['e2e_ratio'] = summary['specjax_e2e_tok_s'] / summary['hf_e2e_tok_s']
     summary['decode_ratio'] = summary['specjax_decode_tok_s'] / summary['hf_decode_tok_s']
   result = dict(
-      date=started.isoformat(timespec='seconds'), machine=machine(),
-      load_average_before=load_before, load_average_after=os.getloadavg(),
-      settings=dict(model=MODEL, gguf=gguf, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                    hf_python=args.hf_python, hf_threads=HF_THREADS, bandwidth_bytes=BANDWIDTH_BYTES),
+      date=started.isoformat(timespec='seconds'),
+      machine=machine(),
+      load_average_before=load_before,
+      load_average_after=os.getloadavg(),
+      settings=dict(
+          model=MODEL,
+          gguf=gguf,
+          max_new_tokens=args.max_new_tokens,
+          repeats=args.repeats,
+          hf_python=args.hf_python,
+          hf_threads=HF_THREADS,
+          bandwidth_bytes=BANDWIDTH_BYTES,
+      ),
       versions=dict(specjax=importlib.metadata.version('specjax'), jax=jax.__version__, numpy=np.__version__),
-      prompt_ids=prompt_ids, specjax=dict(sj_info, prompts=sj_results), transformers=hf,
-      comparison=comparison, bandwidth=bandwidth, bytes_per_token=bytes_per_token,
-      kv_bytes_per_token_max=kv_max, bounds=bound, summary=summary, interference=interference)
+      prompt_ids=prompt_ids,
+      specjax=dict(sj_info, prompts=sj_results),
+      transformers=hf,
+      comparison=comparison,
+      bandwidth=bandwidth,
+      bytes_per_token=bytes_per_token,
+      kv_bytes_per_token_max=kv_max,
+      bounds=bound,
+      summary=summary,
+      interference=interference,
+  )
   print(report(result))
-  print(f'\n{started:%Y-%m-%d %H:%M %Z}, {result["machine"]["cpu"]}, {result["machine"]["cores"]} cores, '
-        f'load average {load_before[0]:.2f} before, {result["load_average_after"][0]:.2f} after')
+  print(
+      f'\n{started:%Y-%m-%d %H:%M %Z}, {result["machine"]["cpu"]}, {result["machine"]["cores"]} cores, '
+      f'load average {load_before[0]:.2f} before, {result["load_average_after"][0]:.2f} after'
+  )
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
   del model

@@ -25,7 +25,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-WORKER = r'''
+WORKER = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import specjax
@@ -41,7 +41,7 @@ for name, prompt in PROMPTS.items():
     best = max(best, stats.decode_tokens_per_s)
   rates[name] = best
 print(json.dumps({'specjax': specjax.__file__, 'rates': rates}))
-'''
+"""
 
 
 def export(commit: str, into: str) -> str:
@@ -58,8 +58,14 @@ def export(commit: str, into: str) -> str:
 
 def run_side(tree: str, max_new_tokens: int, prompts_dir: str) -> dict:
   env = dict(os.environ, PYTHONPATH=prompts_dir)
-  out = subprocess.run([sys.executable, '-c', WORKER, tree, str(max_new_tokens)], check=True, capture_output=True,
-                       text=True, cwd=tree, env=env)
+  out = subprocess.run(
+      [sys.executable, '-c', WORKER, tree, str(max_new_tokens)],
+      check=True,
+      capture_output=True,
+      text=True,
+      cwd=tree,
+      env=env,
+  )
   result = json.loads(out.stdout.strip().splitlines()[-1])
   if not result['specjax'].startswith(tree):
     raise RuntimeError(f'side {tree} imported specjax from {result["specjax"]}')
@@ -73,16 +79,24 @@ def main(argv=None) -> int:
   p.add_argument('--max-new-tokens', type=int, default=64)
   p.add_argument('--json', help='write every number to this file')
   args = p.parse_args(argv)
-  head = subprocess.run(['git', '-C', str(ROOT), 'rev-parse', '--short', 'HEAD'], check=True, capture_output=True,
-                        text=True).stdout.strip()
-  dirty = bool(subprocess.run(['git', '-C', str(ROOT), 'status', '--porcelain', '--untracked-files=no'],
-                              check=True, capture_output=True, text=True).stdout.strip())
+  head = subprocess.run(
+      ['git', '-C', str(ROOT), 'rev-parse', '--short', 'HEAD'], check=True, capture_output=True, text=True
+  ).stdout.strip()
+  dirty = bool(
+      subprocess.run(
+          ['git', '-C', str(ROOT), 'status', '--porcelain', '--untracked-files=no'],
+          check=True,
+          capture_output=True,
+          text=True,
+      ).stdout.strip()
+  )
   with tempfile.TemporaryDirectory() as tmp:
     base = export(args.base, tmp)
     prompts_dir = os.path.join(tmp, 'prompts')
     os.makedirs(prompts_dir)
     sys.path.insert(0, str(ROOT / 'benchmarks'))
     from decode import PROMPTS  # pylint: disable=g-import-not-at-top
+
     pathlib.Path(prompts_dir, 'benchmarks_decode_prompts.py').write_text(f'PROMPTS = {PROMPTS!r}\n')
     rounds = []
     for r in range(args.rounds):
@@ -93,16 +107,29 @@ def main(argv=None) -> int:
       for side, tree in order:
         t = time.perf_counter()
         got[side] = run_side(tree, args.max_new_tokens, prompts_dir)
-        print(f'[round {r + 1}] {side}: ' + ', '.join(f'{k} {v:.1f}' for k, v in got[side].items())
-              + f' tok/s ({time.perf_counter() - t:.0f} s)', file=sys.stderr, flush=True)
+        print(
+            f'[round {r + 1}] {side}: '
+            + ', '.join(f'{k} {v:.1f}' for k, v in got[side].items())
+            + f' tok/s ({time.perf_counter() - t:.0f} s)',
+            file=sys.stderr,
+            flush=True,
+        )
       mean = {side: statistics.mean(rates.values()) for side, rates in got.items()}
       rounds.append({'this': got['this'], 'base': got['base'], 'ratio': mean['this'] / mean['base']})
   ratios = [r['ratio'] for r in rounds]
-  summary = {'this': head + ('+dirty' if dirty else ''), 'base': args.base, 'max_new_tokens': args.max_new_tokens,
-             'rounds': rounds, 'median_ratio': statistics.median(ratios), 'min_ratio': min(ratios),
-             'max_ratio': max(ratios)}
-  print(f"decode tok/s, this ({summary['this']}) / base ({args.base}): median {summary['median_ratio']:.3f} "
-        f"(rounds {', '.join(f'{x:.3f}' for x in ratios)})")
+  summary = {
+      'this': head + ('+dirty' if dirty else ''),
+      'base': args.base,
+      'max_new_tokens': args.max_new_tokens,
+      'rounds': rounds,
+      'median_ratio': statistics.median(ratios),
+      'min_ratio': min(ratios),
+      'max_ratio': max(ratios),
+  }
+  print(
+      f"decode tok/s, this ({summary['this']}) / base ({args.base}): median {summary['median_ratio']:.3f} "
+      f"(rounds {', '.join(f'{x:.3f}' for x in ratios)})"
+  )
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(summary, indent=2))
   return 0

@@ -54,22 +54,47 @@ PUBLISHED = {  # (GDN layers, value heads, Dk, Dv, key heads, conv kernel)
 
 def small_model() -> Model:
   cfg = qwen3_5.Qwen35Config(
-      vocab_size=32768, hidden_size=1024, intermediate_size=3584, num_layers=8, num_heads=8, num_kv_heads=2,
-      head_dim=256, layer_types=('linear_attention',) * 3 + ('full_attention',) + ('linear_attention',) * 3
-      + ('full_attention',), linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-      linear_value_head_dim=128)
+      vocab_size=32768,
+      hidden_size=1024,
+      intermediate_size=3584,
+      num_layers=8,
+      num_heads=8,
+      num_kv_heads=2,
+      head_dim=256,
+      layer_types=('linear_attention',) * 3 + ('full_attention',) + ('linear_attention',) * 3 + ('full_attention',),
+      linear_num_key_heads=16,
+      linear_num_value_heads=16,
+      linear_key_head_dim=128,
+      linear_value_head_dim=128,
+  )
   module = qwen3_5.Qwen35(cfg, rngs=nnx.Rngs(0))  # random weights
   graphdef, state = nnx.split(module)
   layout = module.cache_layout()
-  return Model(graphdef, state, cfg, None, None, 'small (random)', 'qwen3_5_text', list(layout.kv_shapes),
-               list(layout.state_shapes), dtype=jnp.float32)
+  return Model(
+      graphdef,
+      state,
+      cfg,
+      None,
+      None,
+      'small (random)',
+      'qwen3_5_text',
+      list(layout.kv_shapes),
+      list(layout.state_shapes),
+      dtype=jnp.float32,
+  )
 
 
 def make_cache(model: Model, batch: int, capacity: int, num_slots: int, page_size: int = 16) -> KVCache:
   pages = -(-capacity // page_size)
   tables = np.arange(1, batch * pages + 1, dtype=np.int32).reshape(batch, pages)
-  return KVCache.create(model.kv_shapes, num_pages=batch * pages + 1, page_size=page_size, block_tables=tables,
-                        state_shapes=model.state_shapes, num_slots=num_slots)
+  return KVCache.create(
+      model.kv_shapes,
+      num_pages=batch * pages + 1,
+      page_size=page_size,
+      block_tables=tables,
+      state_shapes=model.state_shapes,
+      num_slots=num_slots,
+  )
 
 
 def step_fn(model: Model):
@@ -119,12 +144,22 @@ def bench_model(name: str, model: Model, batch: int, context: int, iters: int) -
   for k in DEPTHS:
     row[f'verify_s_k{k}'] = timed(lambda c, x: step(model.params, c, x), lambda: (fresh(k + 1), tokens(k + 1)), iters)
     row[f'verify_vs_decode_k{k}'] = row[f'verify_s_k{k}'] / row['decode_s']
-    nv, nk, dk, dv = (cfg.linear_num_value_heads, cfg.linear_num_key_heads, cfg.linear_key_head_dim,
-                      cfg.linear_value_head_dim)
+    nv, nk, dk, dv = (
+        cfg.linear_num_value_heads,
+        cfg.linear_num_key_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
     t = k + 1
     qk = jnp.ones((batch, t, nk, dk))
-    args = (qk, qk, jnp.ones((batch, t, nv, dv)), -jnp.ones((batch, t, nv)) * 0.1, jnp.full((batch, t, nv), 0.5),
-            jnp.zeros((batch, nv, dk, dv)))
+    args = (
+        qk,
+        qk,
+        jnp.ones((batch, t, nv, dv)),
+        -jnp.ones((batch, t, nv)) * 0.1,
+        jnp.full((batch, t, nv), 0.5),
+        jnp.zeros((batch, nv, dk, dv)),
+    )
     row[f'gdn_scan_s_k{k}'] = n_gdn * timed(scan, lambda: args, iters)
   return row
 
@@ -133,8 +168,7 @@ def published_memory() -> list[dict]:
   rows = []
   for name, (layers, nv, dk, dv, nk, w) in PUBLISHED.items():
     one = layers * (nv * dk * dv * 4 + (w - 1) * (2 * nk * dk + nv * dv) * 2)  # f32 state, bf16 conv
-    rows.append({'model': name, 'state_mib_per_row_one_slot': one / 2**20,
-                 'state_mib_per_row_k4': 5 * one / 2**20})
+    rows.append({'model': name, 'state_mib_per_row_one_slot': one / 2**20, 'state_mib_per_row_k4': 5 * one / 2**20})
   return rows
 
 
@@ -144,8 +178,10 @@ def report(rows: list[dict]) -> str:
   for r in rows:
     ratios = ' | '.join(f"{r[f'verify_vs_decode_k{k}']:.2f}x" for k in DEPTHS)
     share = r['gdn_scan_s_k4'] / r['verify_s_k4']
-    lines.append(f"| {r['model']} | {r['batch']} | {r['decode_s'] * 1e3:.2f} | {ratios} | {share:.0%} | "
-                 f"{r['state_bytes_per_row_one_slot'] / 1024:.0f} |")
+    lines.append(
+        f"| {r['model']} | {r['batch']} | {r['decode_s'] * 1e3:.2f} | {ratios} | {share:.0%} | "
+        f"{r['state_bytes_per_row_one_slot'] / 1024:.0f} |"
+    )
   lines += ['', '| published model | state MiB/row, 1 slot | K = 4 (5 slots) |', '|---|---|---|']
   for r in published_memory():
     lines.append(f"| {r['model']} | {r['state_mib_per_row_one_slot']:.0f} | {r['state_mib_per_row_k4']:.0f} |")
@@ -170,9 +206,19 @@ def main(argv=None):
       print(json.dumps(rows[-1]), flush=True)
   print(report(rows))
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps({
-        'device': device.device_kind, 'backend': jax.default_backend(), 'jax': jax.__version__,
-        'settings': vars(args), 'rows': rows, 'published_memory': published_memory()}, indent=1))
+    pathlib.Path(args.json).write_text(
+        json.dumps(
+            {
+                'device': device.device_kind,
+                'backend': jax.default_backend(),
+                'jax': jax.__version__,
+                'settings': vars(args),
+                'rows': rows,
+                'published_memory': published_memory(),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == '__main__':

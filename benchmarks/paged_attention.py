@@ -47,10 +47,10 @@ import numpy as np
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention import triton_kernel
 
-GPU_DEFAULTS = dict(batch=[1, 8, 64], context=[1024, 8192, 32768], queries=[1, 4, 8],
-                    dtype='bfloat16', iters=20, repeats=5)
-CPU_DEFAULTS = dict(batch=[1, 2], context=[64, 160], queries=[1, 4], dtype='float32', iters=1,
-                    repeats=1, head_dim=32)
+GPU_DEFAULTS = dict(
+    batch=[1, 8, 64], context=[1024, 8192, 32768], queries=[1, 4, 8], dtype='bfloat16', iters=20, repeats=5
+)
+CPU_DEFAULTS = dict(batch=[1, 2], context=[64, 160], queries=[1, 4], dtype='float32', iters=1, repeats=1, head_dim=32)
 COPY_BYTES = 2 * 2**30
 TARGET_BANDWIDTH = 0.70  # of copy bandwidth, at the longest context
 TARGET_VERIFY_COST = 1.3  # time(Q=8) / time(Q=1)
@@ -103,8 +103,7 @@ def attention_fns(interpret: bool) -> dict:
     from jax.experimental.pallas.ops.gpu import paged_attention as upstream
 
   def kernel(q, k_pages, v_pages, tables, lengths):
-    return paged_attention(q, k_pages, v_pages, tables, lengths, impl='pallas',
-                           interpret=interpret)
+    return paged_attention(q, k_pages, v_pages, tables, lengths, impl='pallas', interpret=interpret)
 
   def xla(q, k_pages, v_pages, tables, lengths):
     return paged_attention(q, k_pages, v_pages, tables, lengths, impl='xla')
@@ -114,8 +113,14 @@ def attention_fns(interpret: bool) -> dict:
     row_lengths = (lengths[:, None] - n_q + 1 + jnp.arange(n_q, dtype=jnp.int32)).reshape(-1)
     q = (q * d**-0.5).astype(q.dtype)  # It takes no scale.
     out = upstream.paged_attention(
-        q.reshape(b * n_q, h, d), k_pages, v_pages, jnp.repeat(tables, n_q, axis=0),
-        row_lengths, interpret=interpret, **upstream_tiling(tables.shape[1]))
+        q.reshape(b * n_q, h, d),
+        k_pages,
+        v_pages,
+        jnp.repeat(tables, n_q, axis=0),
+        row_lengths,
+        interpret=interpret,
+        **upstream_tiling(tables.shape[1]),
+    )
     return out.reshape(q.shape)
 
   return dict(kernel=kernel, xla=xla, jax1q=jax1q)
@@ -146,11 +151,20 @@ def run(args, interpret: bool) -> list[dict]:
   for batch in args.batch:
     for context in args.context:
       for n_q in args.queries:
-        inputs = make_inputs(rng, batch=batch, context=context, n_q=n_q, heads=args.heads,
-                             kv_heads=args.kv_heads, head_dim=args.head_dim,
-                             page_size=args.page_size, dtype=jnp.dtype(args.dtype))
-        nbytes = (2 * batch * args.kv_heads * context * args.head_dim +
-                  2 * batch * n_q * args.heads * args.head_dim) * itemsize
+        inputs = make_inputs(
+            rng,
+            batch=batch,
+            context=context,
+            n_q=n_q,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            page_size=args.page_size,
+            dtype=jnp.dtype(args.dtype),
+        )
+        nbytes = (
+            2 * batch * args.kv_heads * context * args.head_dim + 2 * batch * n_q * args.heads * args.head_dim
+        ) * itemsize
         row = dict(batch=batch, context=context, queries=n_q, bytes=nbytes)
         want = jax.jit(fns['xla'])(*inputs).astype(jnp.float32)
         for name in ('kernel', 'jax1q'):  # Both must match the reference.
@@ -163,8 +177,7 @@ def run(args, interpret: bool) -> list[dict]:
           except Exception as e:  # pylint: disable=broad-except
             log(f'{name} B={batch} ctx={context} Q={n_q}: {type(e).__name__}: {e}')
             row[f'{name}_s'] = None
-        log(' '.join(f'{k}={v:.3g}' if isinstance(v, float) else f'{k}={v}'
-                     for k, v in row.items()))
+        log(' '.join(f'{k}={v:.3g}' if isinstance(v, float) else f'{k}={v}' for k, v in row.items()))
         rows.append(row)
         del inputs
   return rows
@@ -186,10 +199,13 @@ def summarize(rows: list[dict], copy_bw: float) -> None:
 def report(rows: list[dict], copy_bw: float, on_gpu: bool) -> str:
   fmt = lambda v, f: '-' if v is None else format(v, f)
   worst = lambda name: max(r[f'{name}_max_abs_err'] for r in rows)
-  lines = [f'copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write); largest absolute difference '
-           f'from the XLA reference: kernel {worst("kernel"):.2g}, jax1q {worst("jax1q"):.2g}', '',
-           f'{"B":>3} {"ctx":>6} {"Q":>2} {"kernel us":>10} {"GB/s":>8} {"of copy":>8} '
-           f'{"xla us":>9} {"xla/k":>6} {"jax1q us":>9} {"jax1q/k":>7} {"vs Q=1":>6}']
+  lines = [
+      f'copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write); largest absolute difference '
+      f'from the XLA reference: kernel {worst("kernel"):.2g}, jax1q {worst("jax1q"):.2g}',
+      '',
+      f'{"B":>3} {"ctx":>6} {"Q":>2} {"kernel us":>10} {"GB/s":>8} {"of copy":>8} '
+      f'{"xla us":>9} {"xla/k":>6} {"jax1q us":>9} {"jax1q/k":>7} {"vs Q=1":>6}',
+  ]
   for r in rows:
     us = lambda s: None if s is None else s * 1e6
     lines.append(
@@ -197,25 +213,33 @@ def report(rows: list[dict], copy_bw: float, on_gpu: bool) -> str:
         f'{fmt(r["kernel_gb_s"], "8.1f")} {fmt(r["fraction_of_copy"], "8.0%")} '
         f'{fmt(us(r["xla_s"]), "9.1f")} {fmt(r["xla_over_kernel"], "6.2f")} '
         f'{fmt(us(r["jax1q_s"]), "9.1f")} {fmt(r["jax1q_over_kernel"], "7.2f")} '
-        f'{fmt(r["cost_vs_q1"], "6.2f")}')
+        f'{fmt(r["cost_vs_q1"], "6.2f")}'
+    )
   lines.append('')
   if not on_gpu:
-    lines.append('No GPU: Pallas interpret mode on the CPU with tiny shapes; the times above say '
-                 'nothing about the kernel. GPU figures pending.')
+    lines.append(
+        'No GPU: Pallas interpret mode on the CPU with tiny shapes; the times above say '
+        'nothing about the kernel. GPU figures pending.'
+    )
     return '\n'.join(lines)
   longest = max(r['context'] for r in rows)
   for batch in sorted({r['batch'] for r in rows}):
-    fracs = [r['fraction_of_copy'] for r in rows
-             if r['batch'] == batch and r['context'] == longest and r['fraction_of_copy']]
+    fracs = [
+        r['fraction_of_copy'] for r in rows if r['batch'] == batch and r['context'] == longest and r['fraction_of_copy']
+    ]
     if fracs:
       ok = min(fracs) >= TARGET_BANDWIDTH
-      lines.append(f'B={batch}, ctx={longest}: {min(fracs):.0%} to {max(fracs):.0%} of copy '
-                   f'bandwidth (target >= {TARGET_BANDWIDTH:.0%}): {"PASS" if ok else "FAIL"}')
+      lines.append(
+          f'B={batch}, ctx={longest}: {min(fracs):.0%} to {max(fracs):.0%} of copy '
+          f'bandwidth (target >= {TARGET_BANDWIDTH:.0%}): {"PASS" if ok else "FAIL"}'
+      )
   costs = [r['cost_vs_q1'] for r in rows if r['queries'] == 8 and r['cost_vs_q1']]
   if costs:
     ok = max(costs) <= TARGET_VERIFY_COST
-    lines.append(f'verify 8 queries vs decode 1: {min(costs):.2f}x to {max(costs):.2f}x '
-                 f'(target <= {TARGET_VERIFY_COST}x): {"PASS" if ok else "FAIL"}')
+    lines.append(
+        f'verify 8 queries vs decode 1: {min(costs):.2f}x to {max(costs):.2f}x '
+        f'(target <= {TARGET_VERIFY_COST}x): {"PASS" if ok else "FAIL"}'
+    )
   return '\n'.join(lines)
 
 
@@ -238,24 +262,38 @@ def main(argv=None):
   if min(args.context) < max(args.queries):
     p.error('every --context must hold the --queries new tokens')
 
-  warnings.filterwarnings('ignore', message=triton_kernel.TRITON_DEPRECATION,
-                          category=DeprecationWarning)
+  warnings.filterwarnings('ignore', message=triton_kernel.TRITON_DEPRECATION, category=DeprecationWarning)
   started = datetime.datetime.now().astimezone()
   device = jax.devices()[0]
-  log(f'{device.device_kind} ({jax.default_backend()}), jax {jax.__version__}'
-      + ('' if on_gpu else ': no GPU, interpret mode with tiny shapes'))
+  log(
+      f'{device.device_kind} ({jax.default_backend()}), jax {jax.__version__}'
+      + ('' if on_gpu else ': no GPU, interpret mode with tiny shapes')
+  )
   copy_bw = copy_bandwidth(on_gpu)
   rows = run(args, interpret=not on_gpu)
   summarize(rows, copy_bw)
   print(report(rows, copy_bw, on_gpu))
-  print(f'\n{started:%Y-%m-%d %H:%M %Z}, {device.device_kind}, jax {jax.__version__}, '
-        f'H={args.heads} Hkv={args.kv_heads} D={args.head_dim} page={args.page_size} {args.dtype}')
+  print(
+      f'\n{started:%Y-%m-%d %H:%M %Z}, {device.device_kind}, jax {jax.__version__}, '
+      f'H={args.heads} Hkv={args.kv_heads} D={args.head_dim} page={args.page_size} {args.dtype}'
+  )
   if args.json:
     settings = {k: v for k, v in vars(args).items() if k != 'json'}
-    pathlib.Path(args.json).write_text(json.dumps(dict(
-        date=started.isoformat(timespec='seconds'), device=device.device_kind,
-        backend=jax.default_backend(), jax=jax.__version__, interpret=not on_gpu,
-        settings=settings, copy_bytes_per_s=copy_bw, rows=rows), indent=1))
+    pathlib.Path(args.json).write_text(
+        json.dumps(
+            dict(
+                date=started.isoformat(timespec='seconds'),
+                device=device.device_kind,
+                backend=jax.default_backend(),
+                jax=jax.__version__,
+                interpret=not on_gpu,
+                settings=settings,
+                copy_bytes_per_s=copy_bw,
+                rows=rows,
+            ),
+            indent=1,
+        )
+    )
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """A small sweep on the tiny test model: two drafters x (K = 2, K = 4, tuner), greedy.
 
-  specjax sweep configs/sweep_tiny.py --out runs/tiny
+specjax sweep configs/sweep_tiny.py --out runs/tiny
 """
 
 import os

@@ -1,8 +1,8 @@
 """specjax: speculative decoding research framework in JAX.
 
-  import specjax
-  model = specjax.load('gemma-3-270m')
-  results, stats = specjax.generate(model, ['The capital of France is'], max_new_tokens=32)
+import specjax
+model = specjax.load('gemma-3-270m')
+results, stats = specjax.generate(model, ['The capital of France is'], max_new_tokens=32)
 """
 
 from specjax.engine import Engine, GenerationResult, GenerationStats
@@ -11,12 +11,29 @@ from specjax.loading import load, load_checkpoint
 from specjax.sampling import SamplingParams
 
 
-def generate(model, prompts, *, max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
-             stream=None, **engine_kwargs):
+def generate(
+    model,
+    prompts,
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingParams = SamplingParams(),
+    stream=None,
+    **engine_kwargs,
+):
   """One-shot generation: builds an `Engine` and generates (see `Engine.generate`)."""
   return Engine(model, **engine_kwargs).generate(
-      prompts, max_new_tokens=max_new_tokens, sampling=sampling, stream=stream)
+      prompts, max_new_tokens=max_new_tokens, sampling=sampling, stream=stream
+  )
 
 
-__all__ = ['Engine', 'GenerationResult', 'GenerationStats', 'OutOfPagesError', 'SamplingParams',
-           'SpecjaxError', 'generate', 'load', 'load_checkpoint']
+__all__ = [
+    'Engine',
+    'GenerationResult',
+    'GenerationStats',
+    'OutOfPagesError',
+    'SamplingParams',
+    'SpecjaxError',
+    'generate',
+    'load',
+    'load_checkpoint',
+]

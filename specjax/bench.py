@@ -40,6 +40,7 @@ from specjax.models.contract import append
 from specjax.sampling import SamplingParams, argmax
 from specjax.step import draft_context
 
+
 @dataclasses.dataclass
 class Prompt:
   id: str
@@ -47,8 +48,9 @@ class Prompt:
   text: str
 
 
-def load_prompts(path: str | None = None, categories: list[str] | None = None,
-                 limit: int | None = None) -> list[Prompt]:
+def load_prompts(
+    path: str | None = None, categories: list[str] | None = None, limit: int | None = None
+) -> list[Prompt]:
   """A jsonl of prompts (first turn of each question), `limit` per category.
 
   `path=None` reads Spec-Bench `question.jsonl` as `datasets.spec_bench_path` finds it.
@@ -143,13 +145,17 @@ def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParam
   dparams = drafter.params()
   decode = engine.executables.get('cost_verify', _verify_cost, (state,), {'k': 0})
   verify = engine.executables.get('cost_verify', _verify_cost, (state,), {'k': k})
-  draft = engine.executables.get('cost_draft', _draft_cost, (dparams, state),
-                           {'drafter': drafter, 'k': k, 'sampling': sampling}, (2,))
-  costs, _ = _time_rounds({
-      'decode_s': lambda st: decode(params, st),
-      'verify_s': lambda st: verify(params, st),
-      'draft_s': lambda st: draft(params, dparams, st),
-  }, state)
+  draft = engine.executables.get(
+      'cost_draft', _draft_cost, (dparams, state), {'drafter': drafter, 'k': k, 'sampling': sampling}, (2,)
+  )
+  costs, _ = _time_rounds(
+      {
+          'decode_s': lambda st: decode(params, st),
+          'verify_s': lambda st: verify(params, st),
+          'draft_s': lambda st: draft(params, dparams, st),
+      },
+      state,
+  )
   return costs
 
 
@@ -171,8 +177,15 @@ class Cell:
     return self.tokens / self.model_s if self.model_s else 0.0
 
 
-def run_bench(engine: Engine, prompts: list[Prompt], depths: list[int], *, max_new_tokens: int = 64,
-              sampling: SamplingParams = SamplingParams(), progress=None) -> dict:
+def run_bench(
+    engine: Engine,
+    prompts: list[Prompt],
+    depths: list[int],
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingParams = SamplingParams(),
+    progress=None,
+) -> dict:
   """Runs every prompt autoregressively and at every depth; returns cells and calibration."""
   for k in depths:
     if k < 1:
@@ -196,7 +209,7 @@ def run_bench(engine: Engine, prompts: list[Prompt], depths: list[int], *, max_n
         progress(n, len(prompts), prompt, k, stats)
     # Costs right after the prompt's runs, at the context halfway through its autoregressive output.
     ar_tokens = runs[0][0].tokens
-    context = list(p_ids) + list(ar_tokens[:len(ar_tokens) // 2])
+    context = list(p_ids) + list(ar_tokens[: len(ar_tokens) // 2])
     costs = {k: calibrate(engine, context, k, sampling) for k in depths}
     calib.update({(prompt.id, k): c for k, c in costs.items()})
     decode_s = float(np.median([c['decode_s'] for c in costs.values()]))
@@ -224,12 +237,20 @@ def table(report: dict, drafter: str) -> list[dict]:
         continue
       predicted = cell.model_tokens_per_s / ar.model_tokens_per_s if ar.model_tokens_per_s else 0.0
       speedup = cell.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0
-      rows.append({
-          'category': cat, 'drafter': drafter, 'k': k, 'tau': cell.metrics.tau,
-          'acceptance': cell.metrics.acceptance_rate, 'ar_tok_s': ar.tokens_per_s,
-          'spec_tok_s': cell.tokens_per_s, 'speedup': speedup, 'predicted': predicted,
-          'efficiency': speedup / predicted if predicted else 0.0,
-      })
+      rows.append(
+          {
+              'category': cat,
+              'drafter': drafter,
+              'k': k,
+              'tau': cell.metrics.tau,
+              'acceptance': cell.metrics.acceptance_rate,
+              'ar_tok_s': ar.tokens_per_s,
+              'spec_tok_s': cell.tokens_per_s,
+              'speedup': speedup,
+              'predicted': predicted,
+              'efficiency': speedup / predicted if predicted else 0.0,
+          }
+      )
   return rows
 
 
@@ -240,5 +261,6 @@ def format_table(rows: list[dict]) -> str:
     lines.append(
         f"| {r['category']} | {r['drafter']} | {r['k']} | {r['tau']:.2f} | {r['acceptance']:.2f} | "
         f"{r['ar_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['predicted']:.2f}x | "
-        f"{r['efficiency']:.2f} |")
+        f"{r['efficiency']:.2f} |"
+    )
   return '\n'.join(lines)

@@ -1,8 +1,8 @@
 """`specjax` command line: a thin layer over the Python API.
 
-  specjax generate -m MODEL --prompt TEXT [--prompt-file F [--prompts-per-line]] [--max-new-tokens N]
-                   [--temperature T --top-k K --top-p P --min-p M --seed S] [--json]
-  specjax sweep CONFIG [--out DIR] [KEY=VALUE ...]
+specjax generate -m MODEL --prompt TEXT [--prompt-file F [--prompts-per-line]] [--max-new-tokens N]
+                 [--temperature T --top-k K --top-p P --min-p M --seed S] [--json]
+specjax sweep CONFIG [--out DIR] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -17,23 +17,36 @@ from specjax.errors import SpecjaxError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument('-m', '--model', required=True,
-                 help='demo name (gemma-3-270m), local HF directory, .gguf file, or hub id (org/name)')
+  p.add_argument(
+      '-m',
+      '--model',
+      required=True,
+      help='demo name (gemma-3-270m), local HF directory, .gguf file, or hub id (org/name)',
+  )
   p.add_argument('--attention-impl', default='auto', choices=('auto', 'xla', 'pallas'))
   p.add_argument('--page-size', type=int, default=16)
   p.add_argument('--num-pages', type=int, default=None, help='KV page pool size (default: what the batch needs)')
   p.add_argument('--max-seq-len', type=int, default=None, help='capacity of one sequence (prompt + new tokens)')
-  p.add_argument('--dtype', default=None, choices=('float32', 'bfloat16', 'float16'),
-                 help='params and compute dtype (default: float32 on CPU, bfloat16 on GPU)')
+  p.add_argument(
+      '--dtype',
+      default=None,
+      choices=('float32', 'bfloat16', 'float16'),
+      help='params and compute dtype (default: float32 on CPU, bfloat16 on GPU)',
+  )
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--prompt', action='append', default=[], help='prompt text (repeat for a batch)')
-  p.add_argument('--prompt-file',
-                 help='the whole file is one prompt (as llama.cpp -f: exact text, one trailing newline dropped); '
-                      'a .jsonl is a batch, one object per line with "prompt" or "turns"')
-  p.add_argument('--prompts-per-line', action='store_true',
-                 help='read --prompt-file as a batch, one prompt per non-blank line (\\n in a line is a newline)')
+  p.add_argument(
+      '--prompt-file',
+      help='the whole file is one prompt (as llama.cpp -f: exact text, one trailing newline dropped); '
+      'a .jsonl is a batch, one object per line with "prompt" or "turns"',
+  )
+  p.add_argument(
+      '--prompts-per-line',
+      action='store_true',
+      help='read --prompt-file as a batch, one prompt per non-blank line (\\n in a line is a newline)',
+  )
   p.add_argument('--max-new-tokens', type=int, default=64)
   p.add_argument('--temperature', type=float, default=0.0, help='0 means greedy')
   p.add_argument('--top-k', type=int, default=0)
@@ -54,6 +67,7 @@ def read_prompt_file(path: str, per_line: bool = False) -> list[str]:
     raise SpecjaxError(f'prompt file {path!r} does not exist')
   if path.endswith('.jsonl'):
     from specjax.bench import load_prompts
+
     prompts = [p.text for p in load_prompts(path)]
   else:
     with open(path, 'rb') as f:
@@ -69,8 +83,9 @@ def read_prompt_file(path: str, per_line: bool = False) -> list[str]:
       text = text[:-1] if text.endswith('\n') else text
       prompts = [text] if text else []
   if not prompts:
-    raise SpecjaxError(f'prompt file {path!r} is empty' if not os.path.getsize(path) else
-                       f'prompt file {path!r} has no prompt')
+    raise SpecjaxError(
+        f'prompt file {path!r} is empty' if not os.path.getsize(path) else f'prompt file {path!r} has no prompt'
+    )
   return prompts
 
 
@@ -87,8 +102,10 @@ def read_prompts(args) -> list[str]:
 
 def sampling_from_args(args):
   from specjax.sampling import SamplingParams
-  params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=args.seed)
+
+  params = SamplingParams(
+      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
+  )
   params.validate()
   return params
 
@@ -99,6 +116,7 @@ def cmd_generate(args) -> int:
   if args.max_new_tokens < 1:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
   import specjax
+
   model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype)
   engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len)
   return _generate_and_print(args, model, engine, prompts, sampling, num_draft=0)
@@ -109,8 +127,14 @@ def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) 
   if not args.json and len(prompts) == 1:
     sys.stdout.write(prompts[0])
     stream = lambda row, text: (sys.stdout.write(text), sys.stdout.flush())
-  results, stats = engine.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, stream=stream,
-                                   num_draft=num_draft, trace=getattr(args, 'trace', False))
+  results, stats = engine.generate(
+      prompts,
+      max_new_tokens=args.max_new_tokens,
+      sampling=sampling,
+      stream=stream,
+      num_draft=num_draft,
+      trace=getattr(args, 'trace', False),
+  )
   if args.json:
     rows = []
     for r in results:
@@ -146,29 +170,52 @@ def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   from specjax.drafters import REGISTRY
   from specjax.drafters.registry import option_fields
-  p.add_argument('--drafter', choices=tuple(REGISTRY), default=None,
-                 help='drafter family (default: draft-model with --draft-model, else ngram): '
-                      + '; '.join(f'{name}: {f.help}' for name, f in REGISTRY.items()))
-  p.add_argument('--n-predict', '--mtp-n-predict', dest='n_predict', type=int, default=None,
-                 help='draft depth K per step (default: the family\'s, 4; 3 with --mtp); --mtp-n-predict is the '
-                      'mistral.rs spelling')
-  p.add_argument('--mtp', action='store_true',
-                 help="draft with the checkpoint's built-in MTP head (Qwen3.5 / Qwen3-Next mtp.*; same as --drafter mtp)")
+
+  p.add_argument(
+      '--drafter',
+      choices=tuple(REGISTRY),
+      default=None,
+      help='drafter family (default: draft-model with --draft-model, else ngram): '
+      + '; '.join(f'{name}: {f.help}' for name, f in REGISTRY.items()),
+  )
+  p.add_argument(
+      '--n-predict',
+      '--mtp-n-predict',
+      dest='n_predict',
+      type=int,
+      default=None,
+      help="draft depth K per step (default: the family's, 4; 3 with --mtp); --mtp-n-predict is the "
+      'mistral.rs spelling',
+  )
+  p.add_argument(
+      '--mtp',
+      action='store_true',
+      help="draft with the checkpoint's built-in MTP head (Qwen3.5 / Qwen3-Next mtp.*; same as --drafter mtp)",
+  )
   p.add_argument('--max-draft', type=int, default=8, help='largest K the engine reserves lookahead for')
   for name, field in option_fields().items():  # each family's options, from the registry
     meta = field.metadata
     p.add_argument(*meta['flags'], dest=name, type=meta['type'], default=None, help=meta['help'])
-  p.add_argument('--policy', choices=('fixed', 'tuner', 'load'), default=None,
-                 help='draft-depth policy (default: fixed at --n-predict); SPECJAX_POLICY overrides it')
-  p.add_argument('--profile', action='store_true',
-                 help='time draft and verify separately (one extra host sync per step)')
-  p.add_argument('--trace', action='store_true',
-                 help='with --json: add `trace`, one entry per step: k, drafts (target ids), accepted, emitted')
+  p.add_argument(
+      '--policy',
+      choices=('fixed', 'tuner', 'load'),
+      default=None,
+      help='draft-depth policy (default: fixed at --n-predict); SPECJAX_POLICY overrides it',
+  )
+  p.add_argument(
+      '--profile', action='store_true', help='time draft and verify separately (one extra host sync per step)'
+  )
+  p.add_argument(
+      '--trace',
+      action='store_true',
+      help='with --json: add `trace`, one entry per step: k, drafts (target ids), accepted, emitted',
+  )
 
 
 def drafter_kind(args) -> str:
   """The drafter family the flags ask for (checked before any model is read)."""
   from specjax.drafters import REGISTRY, get
+
   mtp = getattr(args, 'mtp', False)
   if mtp and args.drafter not in (None, 'mtp'):
     raise SpecjaxError(f'--mtp drafts with the built-in MTP head; it cannot be combined with --drafter {args.drafter}')
@@ -185,6 +232,7 @@ def drafter_kind(args) -> str:
 def default_depth(args) -> int:
   """K when --n-predict is not given: the drafter family's default."""
   from specjax.drafters import get
+
   return get(drafter_kind(args)).default_depth
 
 
@@ -192,6 +240,7 @@ def load_engine(args, with_drafter: bool):
   """(model, engine, drafter options) for the flags; bad drafter options fail before any weight is read."""
   import specjax
   from specjax.drafters import get, make_drafter
+
   kind = drafter_kind(args) if with_drafter else None
   family = get(kind) if kind else None
   options = None
@@ -200,10 +249,15 @@ def load_engine(args, with_drafter: bool):
   heads = {h: True for h in family.target_heads} if family else {}
   model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **heads)
   drafter = make_drafter(kind, model, options) if family else None
-  engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages,
-                          max_seq_len=args.max_seq_len, drafter=drafter,
-                          max_draft=max(args.max_draft, args.n_predict or 0) if with_drafter else 8,
-                          profile=getattr(args, 'profile', False))
+  engine = specjax.Engine(
+      model,
+      page_size=args.page_size,
+      num_pages=args.num_pages,
+      max_seq_len=args.max_seq_len,
+      drafter=drafter,
+      max_draft=max(args.max_draft, args.n_predict or 0) if with_drafter else 8,
+      profile=getattr(args, 'profile', False),
+  )
   return model, engine, options
 
 
@@ -219,15 +273,23 @@ def cmd_run(args) -> int:
   depth = k
   if args.policy or os.environ.get('SPECJAX_POLICY'):
     from specjax.policies import make_policy
-    depth = make_policy(args.policy or 'fixed', family=engine.drafter.name, k=args.n_predict, options=options,
-                        max_depth=engine.max_draft)
+
+    depth = make_policy(
+        args.policy or 'fixed',
+        family=engine.drafter.name,
+        k=args.n_predict,
+        options=options,
+        max_depth=engine.max_draft,
+    )
   return _generate_and_print(args, model, engine, prompts, sampling, num_draft=depth)
 
 
 def cmd_bench(args) -> int:
   from specjax import bench
+
   sampling = sampling_from_args(args)
   from specjax.drafters import get
+
   depths = args.n_predict_list or ([args.n_predict] if args.n_predict else list(get(drafter_kind(args)).depths))
   args.max_draft = max(args.max_draft, *depths)
   prompts = bench.load_prompts(args.prompts, args.categories, args.limit)
@@ -238,16 +300,33 @@ def cmd_bench(args) -> int:
     engine.check_depth(k)
 
   def progress(n, total, prompt, k, stats):
-    print(f'[{n + 1}/{total}] {prompt.category} #{prompt.id} K={k}: {stats.decode_tokens_per_s:.1f} tok/s',
-          file=sys.stderr, flush=True)
+    print(
+        f'[{n + 1}/{total}] {prompt.category} #{prompt.id} K={k}: {stats.decode_tokens_per_s:.1f} tok/s',
+        file=sys.stderr,
+        flush=True,
+    )
 
-  report = bench.run_bench(engine, prompts, depths, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                           progress=None if args.quiet else progress)
+  report = bench.run_bench(
+      engine,
+      prompts,
+      depths,
+      max_new_tokens=args.max_new_tokens,
+      sampling=sampling,
+      progress=None if args.quiet else progress,
+  )
   rows = bench.table(report, engine.drafter.name)
   if args.json:
     calibration = {f'{prompt_id}/K={k}': v for (prompt_id, k), v in report['calibration'].items()}
-    print(json.dumps({'rows': rows, 'calibration': calibration,
-                      'greedy_outputs_equal': report['outputs_equal'], 'model': model.source}))
+    print(
+        json.dumps(
+            {
+                'rows': rows,
+                'calibration': calibration,
+                'greedy_outputs_equal': report['outputs_equal'],
+                'model': model.source,
+            }
+        )
+    )
   else:
     print(bench.format_table(rows))
     if sampling.is_greedy:
@@ -257,10 +336,13 @@ def cmd_bench(args) -> int:
 
 def cmd_sweep(args) -> int:
   from specjax.sweep import run_sweep
+
   out = args.out or os.path.join('runs', os.path.splitext(os.path.basename(args.config))[0])
   report = run_sweep(args.config, out, args.overrides, progress=not args.quiet)
-  print(f"{report['cells_run']} cells run, {report['cells_skipped']} already complete; "
-        f"results in {out}/ (summary.md, results.jsonl, manifest.json, {len(report['plots'])} plots)")
+  print(
+      f"{report['cells_run']} cells run, {report['cells_skipped']} already complete; "
+      f"results in {out}/ (summary.md, results.jsonl, manifest.json, {len(report['plots'])} plots)"
+  )
   return 0
 
 
@@ -279,14 +361,23 @@ def build_parser() -> argparse.ArgumentParser:
   bench = sub.add_parser('bench', help='autoregressive vs speculative on a prompt set, per category')
   _add_model_args(bench)
   _add_drafter_args(bench)
-  bench.add_argument('--prompts', default=None,
-                     help='jsonl with "prompt"/"turns" and "category" (default: Spec-Bench question.jsonl from '
-                          '$SPECJAX_SPEC_BENCH, else the user cache, else downloaded at a pinned commit)')
+  bench.add_argument(
+      '--prompts',
+      default=None,
+      help='jsonl with "prompt"/"turns" and "category" (default: Spec-Bench question.jsonl from '
+      '$SPECJAX_SPEC_BENCH, else the user cache, else downloaded at a pinned commit)',
+  )
   bench.add_argument('--categories', nargs='+', default=None)
   bench.add_argument('--limit', type=int, default=None, help='prompts per category')
-  bench.add_argument('--depths', dest='n_predict_list', type=int, nargs='+', default=None,
-                     help="draft depths to compare (default: the family's tuner candidates, 2 4 6 8; "
-                      'with --mtp 2 3 4 6; or --n-predict)')
+  bench.add_argument(
+      '--depths',
+      dest='n_predict_list',
+      type=int,
+      nargs='+',
+      default=None,
+      help="draft depths to compare (default: the family's tuner candidates, 2 4 6 8; "
+      'with --mtp 2 3 4 6; or --n-predict)',
+  )
   bench.add_argument('--max-new-tokens', type=int, default=64)
   bench.add_argument('--temperature', type=float, default=0.0)
   bench.add_argument('--top-k', type=int, default=0)
@@ -298,8 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
   bench.set_defaults(func=cmd_bench)
   sweep = sub.add_parser('sweep', help='run every cell of a config grid (resumable) into one output directory')
   sweep.add_argument('config', help='ml_collections config file defining get_config() (see configs/)')
-  sweep.add_argument('overrides', nargs='*', metavar='KEY=VALUE',
-                     help='overrides, e.g. policy.k=4 prompts.limit=2 grid.policy.k=[2,4]')
+  sweep.add_argument(
+      'overrides', nargs='*', metavar='KEY=VALUE', help='overrides, e.g. policy.k=4 prompts.limit=2 grid.policy.k=[2,4]'
+  )
   sweep.add_argument('--out', default=None, help='output directory (default: runs/<config file name>)')
   sweep.add_argument('--quiet', action='store_true', help='no progress bar')
   sweep.set_defaults(func=cmd_sweep)

@@ -75,6 +75,7 @@ def _write_atomic(path: str, data: bytes) -> None:
 def _download(url: str, timeout: float = 60.0) -> bytes:
   """The bytes at `url` (raises OSError or http.client.HTTPException on failure)."""
   import urllib.request
+
   with urllib.request.urlopen(url, timeout=timeout) as response:
     return response.read()
 
@@ -131,6 +132,7 @@ def spec_bench_path(path: str | None = None, *, download: bool = True) -> str:
     notes.append('downloading is off')
   else:
     import http.client
+
     try:
       data = _download(SPEC_BENCH_URL)
     except (OSError, http.client.HTTPException, ValueError) as e:
@@ -142,9 +144,11 @@ def spec_bench_path(path: str | None = None, *, download: bool = True) -> str:
       try:
         _write_atomic(cached, data)
       except OSError as e:
-        raise SpecjaxError(f'cannot write the Spec-Bench cache {cached}: {e.strerror or e}; '
-                           f'set XDG_CACHE_HOME or {SPEC_BENCH_ENV}') from None
+        raise SpecjaxError(
+            f'cannot write the Spec-Bench cache {cached}: {e.strerror or e}; ' f'set XDG_CACHE_HOME or {SPEC_BENCH_ENV}'
+        ) from None
       return cached
   raise SpecjaxError(
       f'Spec-Bench question.jsonl not found: {"; ".join(notes)}. Save {SPEC_BENCH_URL} as {cached}, '
-      f'set {SPEC_BENCH_ENV}=FILE, or pass --prompts FILE')
+      f'set {SPEC_BENCH_ENV}=FILE, or pass --prompts FILE'
+  )

@@ -53,8 +53,8 @@ class SpecMetrics:
       out.drafted += m.drafted
       out.accepted += m.accepted
       out.emitted += m.emitted
-      out.accepted_at[:m.k] += m.accepted_at
-      out.drafted_at[:m.k] += m.drafted_at
+      out.accepted_at[: m.k] += m.accepted_at
+      out.drafted_at[: m.k] += m.drafted_at
       out.accepted_per_step += m.accepted_per_step
       out.drafted_per_step += m.drafted_per_step
       out.pending_per_step += m.pending_per_step

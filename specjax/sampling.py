@@ -59,32 +59,30 @@ class SamplingParams:
   def is_greedy(self) -> bool:
     return self.temperature == 0.0
 
-  def validate(self) -> "SamplingParams":
+  def validate(self) -> 'SamplingParams':
     """Returns self, or raises SpecjaxError naming the bad field."""
+
     def bad(name, want):
       value = getattr(self, name)
-      return SpecjaxError(
-          f"sampling {name} must be {want}, got {value!r}")
+      return SpecjaxError(f'sampling {name} must be {want}, got {value!r}')
 
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ('temperature', 'top_p', 'min_p'):
       value = getattr(self, name)
-      if (not isinstance(value, numbers.Real) or isinstance(value, bool) or
-          not math.isfinite(value)):
-        raise bad(name, "a finite number")
-    for name in ("top_k", "seed"):
-      if (not isinstance(getattr(self, name), numbers.Integral) or
-          isinstance(getattr(self, name), bool)):
-        raise bad(name, "an integer")
+      if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise bad(name, 'a finite number')
+    for name in ('top_k', 'seed'):
+      if not isinstance(getattr(self, name), numbers.Integral) or isinstance(getattr(self, name), bool):
+        raise bad(name, 'an integer')
     if self.temperature < 0:
-      raise bad("temperature", ">= 0 (0 = greedy)")
+      raise bad('temperature', '>= 0 (0 = greedy)')
     if self.top_k < 0:
-      raise bad("top_k", ">= 0 (0 = off)")
+      raise bad('top_k', '>= 0 (0 = off)')
     if not 0 < self.top_p <= 1:
-      raise bad("top_p", "in (0, 1] (1 = off)")
+      raise bad('top_p', 'in (0, 1] (1 = off)')
     if not 0 <= self.min_p < 1:
-      raise bad("min_p", "in [0, 1) (0 = off)")
+      raise bad('min_p', 'in [0, 1) (0 = off)')
     if not 0 <= self.seed <= MAX_SEED:
-      raise bad("seed", f"in [0, {MAX_SEED}]")
+      raise bad('seed', f'in [0, {MAX_SEED}]')
     return self
 
 
@@ -95,8 +93,7 @@ def _keep(logits: jax.Array, keep: jax.Array) -> jax.Array:
 def argmax(x: jax.Array) -> jax.Array:  # [..., V] -> [...] int32
   """First index of the max; ~4x faster than jnp.argmax on XLA:CPU."""
   vocab = x.shape[-1]
-  index = jnp.where(x == x.max(-1, keepdims=True),
-                    jnp.arange(vocab, dtype=jnp.int32), vocab - 1)
+  index = jnp.where(x == x.max(-1, keepdims=True), jnp.arange(vocab, dtype=jnp.int32), vocab - 1)
   return index.min(-1)
 
 
@@ -109,6 +106,7 @@ def _ordered_bits(x: jax.Array) -> jax.Array:
 
 def _bisect(done_at: Callable[[jax.Array], jax.Array], shape) -> jax.Array:
   """Smallest uint32 t with done_at(t) true; done_at must be monotone."""
+
   def step(_, lo_hi):
     lo, hi = lo_hi
     mid = lo + ((hi - lo) >> 1)
@@ -139,10 +137,8 @@ def _top_p(logits: jax.Array, top_p: float) -> jax.Array:
   """Keeps token x iff the mass of tokens above x is < top_p (ties kept)."""
   bits = _ordered_bits(logits)
   probs_ = jax.nn.softmax(logits, axis=-1)
-  mass_above = lambda t: jnp.sum(jnp.where(bits > t, probs_, 0.0), -1,
-                                 keepdims=True)
-  threshold = _bisect(lambda t: mass_above(t) < top_p,
-                      logits.shape[:-1] + (1,))
+  mass_above = lambda t: jnp.sum(jnp.where(bits > t, probs_, 0.0), -1, keepdims=True)
+  threshold = _bisect(lambda t: mass_above(t) < top_p, logits.shape[:-1] + (1,))
   return _keep(logits, bits >= threshold)
 
 
@@ -165,8 +161,7 @@ def transform_logits(
     logits = _top_p(logits, params.top_p)
   if params.min_p > 0.0:
     probs_ = jax.nn.softmax(logits, axis=-1)
-    logits = _keep(
-        logits, probs_ >= params.min_p * probs_.max(-1, keepdims=True))
+    logits = _keep(logits, probs_ >= params.min_p * probs_.max(-1, keepdims=True))
   return logits
 
 
@@ -176,8 +171,7 @@ def probs(
 ) -> jax.Array:  # [..., V] float32
   """The distribution `sample` draws from (one-hot argmax when greedy)."""
   if params.validate().is_greedy:
-    return jax.nn.one_hot(argmax(logits), logits.shape[-1],
-                          dtype=jnp.float32)
+    return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
   return jax.nn.softmax(transform_logits(logits, params), axis=-1)
 
 
@@ -194,8 +188,7 @@ def gumbel_argmax(
   """One draw per row from softmax(logits): argmax(logits + Gumbel(key))."""
   keys = _as_typed_keys(keys)
   if keys.shape != logits.shape[:-1]:
-    raise ValueError(f"keys shape {keys.shape} != logits batch shape "
-                     f"{logits.shape[:-1]}")
+    raise ValueError(f'keys shape {keys.shape} != logits batch shape ' f'{logits.shape[:-1]}')
   vocab = logits.shape[-1]
 
   def draw(row):  # One row at a time: [B, V] noise would spill the caches.
@@ -230,13 +223,12 @@ def row_keys(
   accept uniforms, residual, bonus) use distinct `stream` values.
   """
   seed, seq_ids, positions = jnp.broadcast_arrays(
-      jnp.asarray(seed, jnp.int32), jnp.asarray(seq_ids, jnp.int32),
-      jnp.asarray(positions, jnp.int32))
+      jnp.asarray(seed, jnp.int32), jnp.asarray(seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32)
+  )
 
   def fold(seed, seq_id, position):
     key = jax.random.fold_in(jax.random.key(seed), stream)
     return jax.random.fold_in(jax.random.fold_in(key, seq_id), position)
 
-  keys = jax.vmap(fold)(seed.reshape(-1), seq_ids.reshape(-1),
-                        positions.reshape(-1))
+  keys = jax.vmap(fold)(seed.reshape(-1), seq_ids.reshape(-1), positions.reshape(-1))
   return keys.reshape(seq_ids.shape)

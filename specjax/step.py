@@ -147,8 +147,15 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
   cache = cache.commit(new_len, emitted)  # rejected positions: masked by length, state slot of the last kept
   new_ctx = DraftContext(tokens, new_len, last_tokens, active, state.seq_ids)
   dstate = drafter.commit(dparams, state.drafter, new_ctx, emitted, taps, hidden)
-  state = dataclasses.replace(state, cache=cache, tokens=tokens, last_tokens=last_tokens, active=active,
-                              num_generated=num_generated, drafter=dstate)
+  state = dataclasses.replace(
+      state,
+      cache=cache,
+      tokens=tokens,
+      last_tokens=last_tokens,
+      active=active,
+      num_generated=num_generated,
+      drafter=dstate,
+  )
   accepted = jnp.where(emitted > 0, n_accepted, 0)
   return state, (out, emitted, accepted, prop.draft_lens, active, prop.drafts)
 

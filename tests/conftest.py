@@ -10,12 +10,14 @@ TINY_SHARDED = os.path.join(FIXTURES, 'tiny_gemma3_sharded')
 @pytest.fixture(scope='session')
 def tiny_model():
   import specjax
+
   return specjax.load(TINY)
 
 
 @pytest.fixture(scope='session')
 def tiny_engine(tiny_model):
   import specjax
+
   return specjax.Engine(tiny_model, page_size=4)
 
 
@@ -24,6 +26,7 @@ def perturbed_target(scale: float):
   import numpy as np
   import specjax
   from specjax.loading import build_model
+
   ckpt = specjax.load_checkpoint(TINY)
   rng = np.random.default_rng(0)
   for name, w in ckpt.tensors.items():
@@ -35,15 +38,21 @@ def make_cache(model, b, t, page_size=4, num_slots=1, shuffle_pages=False):
   """A KV cache (and recurrent state slots, for hybrids) for `b` rows of up to `t` tokens."""
   import numpy as np
   from specjax.cache.paged import KVCache, PageAllocator
+
   pages_per_seq = -(-t // page_size)
   alloc = PageAllocator(b * pages_per_seq + 1, page_size)
   if shuffle_pages:
     np.random.default_rng(0).shuffle(alloc._free)
   for i in range(b):
     alloc.allocate(i, t)
-  return KVCache.create(model.kv_shapes, num_pages=b * pages_per_seq + 1, page_size=page_size,
-                        block_tables=alloc.block_table(list(range(b)), pages_per_seq),
-                        state_shapes=model.state_shapes, num_slots=num_slots)
+  return KVCache.create(
+      model.kv_shapes,
+      num_pages=b * pages_per_seq + 1,
+      page_size=page_size,
+      block_tables=alloc.block_table(list(range(b)), pages_per_seq),
+      state_shapes=model.state_shapes,
+      num_slots=num_slots,
+  )
 
 
 def drafter_options(kind: str, *, draft_model=None, layers: int = 2) -> dict:
@@ -56,6 +65,7 @@ def spec_bench():
   """Spec-Bench question.jsonl from a local source (tests never download it), else the test skips."""
   from specjax.datasets import spec_bench_path
   from specjax.errors import SpecjaxError
+
   try:
     return spec_bench_path(download=False)
   except SpecjaxError as e:

@@ -19,8 +19,9 @@ def run_cli(capsys, *argv):
 
 
 def test_generate_json(capsys):
-  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt', 'Hello', '--max-new-tokens', '5',
-                           '--page-size', '4', '--json')
+  code, out, err = run_cli(
+      capsys, 'generate', '-m', TINY, '--prompt', 'Hello', '--max-new-tokens', '5', '--page-size', '4', '--json'
+  )
   assert code == 0, err
   row = json.loads(out)
   for key in ('text', 'tokens', 'prompt_tokens', 'tokens_per_s', 'prefill_s', 'decode_s'):
@@ -31,8 +32,22 @@ def test_generate_json(capsys):
 def test_generate_streams_text(capsys, tmp_path):
   prompts = tmp_path / 'prompts.txt'
   prompts.write_text('Hello\n')
-  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt-file', str(prompts),
-                           '--max-new-tokens', '4', '--temperature', '0.8', '--top-k', '20', '--seed', '1')
+  code, out, err = run_cli(
+      capsys,
+      'generate',
+      '-m',
+      TINY,
+      '--prompt-file',
+      str(prompts),
+      '--max-new-tokens',
+      '4',
+      '--temperature',
+      '0.8',
+      '--top-k',
+      '20',
+      '--seed',
+      '1',
+  )
   assert code == 0 and out.startswith('Hello')
 
 
@@ -72,13 +87,16 @@ def test_prompt_file_through_the_cli(capsys, tmp_path):
   assert len(json.loads(out)['results']) == 2
 
 
-@pytest.mark.parametrize('content,flags,message', [
-    (b'', [], 'is empty'),
-    (b'\n', [], 'has no prompt'),
-    (b'\n  \n\n', ['--prompts-per-line'], 'has no prompt'),
-    (b'', ['--prompts-per-line'], 'is empty'),
-    (b'caf\xe9\n', [], 'not UTF-8'),
-])
+@pytest.mark.parametrize(
+    'content,flags,message',
+    [
+        (b'', [], 'is empty'),
+        (b'\n', [], 'has no prompt'),
+        (b'\n  \n\n', ['--prompts-per-line'], 'has no prompt'),
+        (b'', ['--prompts-per-line'], 'is empty'),
+        (b'caf\xe9\n', [], 'not UTF-8'),
+    ],
+)
 def test_bad_prompt_file_is_one_error_line(capsys, tmp_path, content, flags, message):
   path = tmp_path / 'prompt.txt'
   path.write_bytes(content)
@@ -86,19 +104,24 @@ def test_bad_prompt_file_is_one_error_line(capsys, tmp_path, content, flags, mes
   assert code == 2 and err.startswith('error: ') and message in err and err.count('\n') == 1, err
 
 
-@pytest.mark.parametrize('argv,message', [
-    (['-m', './missing-model', '--prompt', 'x'], 'not found'),
-    (['-m', TINY], 'no prompt'),
-    (['-m', TINY, '--prompt', 'x', '--temperature', '-1'], 'temperature'),
-    (['-m', TINY, '--prompt', 'x', '--top-p', '0'], 'top_p'),
-    (['-m', TINY, '--prompt', 'x', '--top-k', '-3'], 'top_k'),
-    (['-m', TINY, '--prompt', 'x', '--max-new-tokens', '0'], 'max-new-tokens'),
-    (['-m', TINY, '--prompt', 'x', '--max-new-tokens', '1000'], 'capacity'),
-    (['-m', TINY, '--prompt', 'x y z', '--max-new-tokens', '100', '--num-pages', '3', '--page-size', '4'],
-     'out of pages'),
-    (['-m', TINY, '--prompt-file', '/no/such/file'], 'does not exist'),
-    (['-m', TINY, '--prompt', 'x', '--prompts-per-line'], '--prompts-per-line reads --prompt-file'),
-])
+@pytest.mark.parametrize(
+    'argv,message',
+    [
+        (['-m', './missing-model', '--prompt', 'x'], 'not found'),
+        (['-m', TINY], 'no prompt'),
+        (['-m', TINY, '--prompt', 'x', '--temperature', '-1'], 'temperature'),
+        (['-m', TINY, '--prompt', 'x', '--top-p', '0'], 'top_p'),
+        (['-m', TINY, '--prompt', 'x', '--top-k', '-3'], 'top_k'),
+        (['-m', TINY, '--prompt', 'x', '--max-new-tokens', '0'], 'max-new-tokens'),
+        (['-m', TINY, '--prompt', 'x', '--max-new-tokens', '1000'], 'capacity'),
+        (
+            ['-m', TINY, '--prompt', 'x y z', '--max-new-tokens', '100', '--num-pages', '3', '--page-size', '4'],
+            'out of pages',
+        ),
+        (['-m', TINY, '--prompt-file', '/no/such/file'], 'does not exist'),
+        (['-m', TINY, '--prompt', 'x', '--prompts-per-line'], '--prompts-per-line reads --prompt-file'),
+    ],
+)
 def test_bad_input_is_one_error_line(capsys, argv, message):
   code, out, err = run_cli(capsys, 'generate', *argv)
   assert code != 0
@@ -107,28 +130,68 @@ def test_bad_input_is_one_error_line(capsys, argv, message):
 
 
 def test_entry_point_exit_code():
-  proc = subprocess.run([sys.executable, '-m', 'specjax.cli', 'generate', '-m', '/no/model', '--prompt', 'x'],
-                        capture_output=True, text=True)
+  proc = subprocess.run(
+      [sys.executable, '-m', 'specjax.cli', 'generate', '-m', '/no/model', '--prompt', 'x'],
+      capture_output=True,
+      text=True,
+  )
   assert proc.returncode == 2
   assert proc.stderr.strip().startswith('error:') and 'Traceback' not in proc.stderr
 
 
 def test_run_json_has_spec_metrics(capsys):
-  code, out, err = run_cli(capsys, 'run', '-m', TINY, '--prompt', 'The cat sat on the mat. The cat',
-                           '--drafter', 'ngram', '--n-predict', '3', '--max-new-tokens', '12', '--page-size', '4',
-                           '--json')
+  code, out, err = run_cli(
+      capsys,
+      'run',
+      '-m',
+      TINY,
+      '--prompt',
+      'The cat sat on the mat. The cat',
+      '--drafter',
+      'ngram',
+      '--n-predict',
+      '3',
+      '--max-new-tokens',
+      '12',
+      '--page-size',
+      '4',
+      '--json',
+  )
   assert code == 0, err
   row = json.loads(out)
   spec = row['spec']
-  for key in ('target_steps', 'drafted', 'accepted', 'tau', 'acceptance_rate', 'position_acceptance',
-              'conditional_acceptance', 'total_s'):
+  for key in (
+      'target_steps',
+      'drafted',
+      'accepted',
+      'tau',
+      'acceptance_rate',
+      'position_acceptance',
+      'conditional_acceptance',
+      'total_s',
+  ):
     assert key in spec
   assert len(row['tokens']) == 12 and spec['emitted'] == 11
 
 
 def test_mistral_rs_aliases(capsys):
-  code, out, err = run_cli(capsys, 'run', '-m', TINY, '--prompt', 'Hello', '--mtp-model', TINY,
-                           '--mtp-n-predict', '2', '--max-new-tokens', '6', '--page-size', '4', '--json')
+  code, out, err = run_cli(
+      capsys,
+      'run',
+      '-m',
+      TINY,
+      '--prompt',
+      'Hello',
+      '--mtp-model',
+      TINY,
+      '--mtp-n-predict',
+      '2',
+      '--max-new-tokens',
+      '6',
+      '--page-size',
+      '4',
+      '--json',
+  )
   assert code == 0, err
   spec = json.loads(out)['spec']
   assert spec['drafter'] == 'draft-model' and spec['k'] == 2
@@ -136,8 +199,9 @@ def test_mistral_rs_aliases(capsys):
 
 
 def test_run_mtp(capsys):
-  code, out, err = run_cli(capsys, 'run', '-m', QWEN, '--mtp', '--prompt', 'Hello', '--max-new-tokens', '6',
-                           '--page-size', '4', '--json')
+  code, out, err = run_cli(
+      capsys, 'run', '-m', QWEN, '--mtp', '--prompt', 'Hello', '--max-new-tokens', '6', '--page-size', '4', '--json'
+  )
   assert code == 0, err
   spec = json.loads(out)['spec']
   assert spec['drafter'] == 'mtp' and spec['k'] == 3 and len(json.loads(out)['tokens']) == 6
@@ -145,26 +209,49 @@ def test_run_mtp(capsys):
 
 def test_bench_table(capsys, tmp_path):
   prompts = tmp_path / 'q.jsonl'
-  prompts.write_text('\n'.join(json.dumps({'question_id': i, 'category': c, 'turns': [t]}) for i, (c, t) in enumerate(
-      [('copy', 'a b c a b c a b'), ('copy', 'x y x y x'), ('chat', 'Hello there')])))
-  code, out, err = run_cli(capsys, 'bench', '-m', TINY, '--drafter', 'ngram', '--prompts', str(prompts),
-                           '--depths', '1', '2', '--max-new-tokens', '8', '--page-size', '4', '--quiet')
+  prompts.write_text(
+      '\n'.join(
+          json.dumps({'question_id': i, 'category': c, 'turns': [t]})
+          for i, (c, t) in enumerate([('copy', 'a b c a b c a b'), ('copy', 'x y x y x'), ('chat', 'Hello there')])
+      )
+  )
+  code, out, err = run_cli(
+      capsys,
+      'bench',
+      '-m',
+      TINY,
+      '--drafter',
+      'ngram',
+      '--prompts',
+      str(prompts),
+      '--depths',
+      '1',
+      '2',
+      '--max-new-tokens',
+      '8',
+      '--page-size',
+      '4',
+      '--quiet',
+  )
   assert code == 0, err
   assert '| copy | ngram | 2 |' in out and '| all | ngram | 1 |' in out
   assert 'speculative outputs equal autoregressive: True' in out
 
 
-@pytest.mark.parametrize('argv,message', [
-    (['run', '-m', TINY, '--prompt', 'x', '--n-predict', '0'], 'n-predict'),
-    (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'draft-model'], 'needs --draft-model'),
-    (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'layer-skip', '--layers', '9'], 'layer-skip needs'),
-    (['run', '-m', TINY, '--prompt', 'x', '--draft-model', '/no/such/model'], 'not found'),
-    (['bench', '-m', TINY, '--prompts', '/no/file.jsonl'], 'does not exist'),
-    (['run', '-m', TINY, '--prompt', 'x', '--mtp'], 'no built-in MTP head'),
-    (['run', '-m', 'gemma-3-270m', '--prompt', 'x', '--mtp'], 'not supported from GGUF'),
-    (['run', '-m', QWEN, '--prompt', 'x', '--mtp', '--drafter', 'ngram'], 'cannot be combined'),
-    (['run', '-m', QWEN, '--prompt', 'x', '--drafter', 'layer-skip'], 'not supported on hybrid targets'),
-])
+@pytest.mark.parametrize(
+    'argv,message',
+    [
+        (['run', '-m', TINY, '--prompt', 'x', '--n-predict', '0'], 'n-predict'),
+        (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'draft-model'], 'needs --draft-model'),
+        (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'layer-skip', '--layers', '9'], 'layer-skip needs'),
+        (['run', '-m', TINY, '--prompt', 'x', '--draft-model', '/no/such/model'], 'not found'),
+        (['bench', '-m', TINY, '--prompts', '/no/file.jsonl'], 'does not exist'),
+        (['run', '-m', TINY, '--prompt', 'x', '--mtp'], 'no built-in MTP head'),
+        (['run', '-m', 'gemma-3-270m', '--prompt', 'x', '--mtp'], 'not supported from GGUF'),
+        (['run', '-m', QWEN, '--prompt', 'x', '--mtp', '--drafter', 'ngram'], 'cannot be combined'),
+        (['run', '-m', QWEN, '--prompt', 'x', '--drafter', 'layer-skip'], 'not supported on hybrid targets'),
+    ],
+)
 def test_speculative_bad_input(capsys, argv, message):
   code, out, err = run_cli(capsys, *argv)
   assert code != 0 and err.startswith('error: ') and message in err and 'Traceback' not in err, err

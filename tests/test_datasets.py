@@ -47,7 +47,8 @@ def test_cache_dir(monkeypatch, tmp_path):
   monkeypatch.setenv('HOME', str(tmp_path / 'home'))
   assert datasets.cache_dir() == str(tmp_path / 'home' / '.cache' / 'specjax')
   assert datasets.spec_bench_cache_path() == str(
-      tmp_path / 'home' / '.cache' / 'specjax' / 'spec_bench' / datasets.SPEC_BENCH_COMMIT / 'question.jsonl')
+      tmp_path / 'home' / '.cache' / 'specjax' / 'spec_bench' / datasets.SPEC_BENCH_COMMIT / 'question.jsonl'
+  )
 
 
 def test_seed_path_is_beside_the_checkout_not_the_cwd(tmp_path, monkeypatch):
@@ -57,8 +58,10 @@ def test_seed_path_is_beside_the_checkout_not_the_cwd(tmp_path, monkeypatch):
 
 
 def test_pinned_url():
-  assert datasets.SPEC_BENCH_URL == ('https://raw.githubusercontent.com/hemingkx/Spec-Bench/'
-                                     f'{datasets.SPEC_BENCH_COMMIT}/data/spec_bench/question.jsonl')
+  assert datasets.SPEC_BENCH_URL == (
+      'https://raw.githubusercontent.com/hemingkx/Spec-Bench/'
+      f'{datasets.SPEC_BENCH_COMMIT}/data/spec_bench/question.jsonl'
+  )
   assert len(datasets.SPEC_BENCH_COMMIT) == 40 and len(datasets.SPEC_BENCH_SHA256) == 64
 
 
@@ -124,8 +127,14 @@ def test_no_source_is_one_line_naming_where_it_looked(sources):
     datasets.spec_bench_path()
   msg = str(e.value)
   assert '\n' not in msg
-  for part in (datasets.SPEC_BENCH_ENV, datasets.spec_bench_cache_path(), str(seed), datasets.SPEC_BENCH_URL,
-               'network is unreachable', '--prompts'):
+  for part in (
+      datasets.SPEC_BENCH_ENV,
+      datasets.spec_bench_cache_path(),
+      str(seed),
+      datasets.SPEC_BENCH_URL,
+      'network is unreachable',
+      '--prompts',
+  ):
     assert part in msg
   with pytest.raises(SpecjaxError, match='downloading is off'):
     datasets.spec_bench_path(download=False)

@@ -11,7 +11,7 @@ from conftest import FIXTURES
 
 def reference_prompts():
   ref = np.load(f'{FIXTURES}/tiny_gemma3_reference.npz')
-  prompts = [list(map(int, ref['greedy_prompt_ids'][i][:ref['greedy_prompt_lens'][i]])) for i in range(2)]
+  prompts = [list(map(int, ref['greedy_prompt_ids'][i][: ref['greedy_prompt_lens'][i]])) for i in range(2)]
   return prompts, [list(map(int, row)) for row in ref['greedy_new_ids']]
 
 
@@ -39,15 +39,17 @@ def test_sampling_reproducible_and_batch_independent(tiny_engine):
   assert [r.tokens for r in a] == [r.tokens for r in b]
   alone = tiny_engine.generate(['def f(x):'], max_new_tokens=12, sampling=params, request_ids=[1])[0]
   assert alone[0].tokens == a[1].tokens
-  other_seed = tiny_engine.generate(['Hello world', 'def f(x):'], max_new_tokens=12,
-                                    sampling=SamplingParams(temperature=1.0, seed=8))[0]
+  other_seed = tiny_engine.generate(
+      ['Hello world', 'def f(x):'], max_new_tokens=12, sampling=SamplingParams(temperature=1.0, seed=8)
+  )[0]
   assert [r.tokens for r in other_seed] != [r.tokens for r in a]
 
 
 def test_streaming_concatenates_to_text(tiny_engine):
   pieces = {0: [], 1: []}
-  results, _ = tiny_engine.generate(['Hello world', 'The cat'], max_new_tokens=15,
-                                    stream=lambda row, text: pieces[row].append(text))
+  results, _ = tiny_engine.generate(
+      ['Hello world', 'The cat'], max_new_tokens=15, stream=lambda row, text: pieces[row].append(text)
+  )
   for row, r in enumerate(results):
     assert ''.join(pieces[row]) == r.text
 
@@ -75,12 +77,15 @@ def test_no_recompilation_in_steady_state(tiny_engine):
   assert stats.compile_s == 0.0
 
 
-@pytest.mark.parametrize('kwargs,match', [
-    (dict(max_new_tokens=0), 'max_new_tokens'),
-    (dict(max_new_tokens=600), 'capacity'),
-    (dict(sampling=SamplingParams(temperature=-1.0)), 'temperature'),
-    (dict(sampling=SamplingParams(temperature=1.0, top_p=1.5)), 'top_p'),
-])
+@pytest.mark.parametrize(
+    'kwargs,match',
+    [
+        (dict(max_new_tokens=0), 'max_new_tokens'),
+        (dict(max_new_tokens=600), 'capacity'),
+        (dict(sampling=SamplingParams(temperature=-1.0)), 'temperature'),
+        (dict(sampling=SamplingParams(temperature=1.0, top_p=1.5)), 'top_p'),
+    ],
+)
 def test_bad_generation_inputs(tiny_engine, kwargs, match):
   with pytest.raises(SpecjaxError, match=match):
     tiny_engine.generate(['Hello'], **{'max_new_tokens': 4, **kwargs})

@@ -10,8 +10,7 @@ from specjax.models.gated_deltanet import l2_normalize
 
 # Jitted once per shape: far faster than op-by-op dispatch.
 recurrent_gated_delta_rule = jax.jit(gated_deltanet.recurrent_gated_delta_rule)
-chunked_gated_delta_rule = jax.jit(
-    gated_deltanet.chunked_gated_delta_rule, static_argnames='chunk_size')
+chunked_gated_delta_rule = jax.jit(gated_deltanet.chunked_gated_delta_rule, static_argnames='chunk_size')
 causal_conv1d = jax.jit(gated_deltanet.causal_conv1d)
 
 
@@ -60,7 +59,7 @@ def _numpy_conv(x, conv_state, weight, query_lens):
       a = sum(weight[:, j] * xs[b, t + j] for j in range(width))
       y[b, t] = a / (1 + np.exp(-a))
       e = min(t, query_lens[b] - 1)  # -1: the window is conv_state
-      windows[b, t] = xs[b, e + 1:e + width]
+      windows[b, t] = xs[b, e + 1 : e + width]
   return y, windows
 
 
@@ -167,7 +166,7 @@ def test_causal_conv1d_matches_padded_conv():
   x, _, weight = _conv_inputs(8, length=9)
   y, _ = causal_conv1d(x, np.zeros((4, 3, 5), np.float32), weight, jnp.full((4,), 9))
   padded = np.pad(x, [(0, 0), (3, 0), (0, 0)])
-  a = sum(weight[:, j] * padded[:, j:j + 9] for j in range(4))
+  a = sum(weight[:, j] * padded[:, j : j + 9] for j in range(4))
   np.testing.assert_allclose(y, a / (1 + np.exp(-a)), atol=1e-5)
 
 

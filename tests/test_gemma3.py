@@ -15,15 +15,16 @@ def run_model(model, ids, chunks, page_size=4, shuffle_pages=False):
   module = model.module()
   out, start = [], 0
   for n in chunks:
-    hidden, cache = module(jnp.asarray(ids[:, start:start + n]), cache, jnp.full((b,), n, jnp.int32))
+    hidden, cache = module(jnp.asarray(ids[:, start : start + n]), cache, jnp.full((b,), n, jnp.int32))
     out.append(np.asarray(module.logits(hidden)))
     start += n
   assert start == t
   return np.concatenate(out, axis=1)
 
 
-@pytest.mark.parametrize('path,ref', [(TINY, 'tiny_gemma3_reference.npz'),
-                                      (TINY_SHARDED, 'tiny_gemma3_sharded_reference.npz')])
+@pytest.mark.parametrize(
+    'path,ref', [(TINY, 'tiny_gemma3_reference.npz'), (TINY_SHARDED, 'tiny_gemma3_sharded_reference.npz')]
+)
 def test_logits_match_transformers(path, ref):
   ref = np.load(f'{FIXTURES}/{ref}')
   model = specjax.load(path)

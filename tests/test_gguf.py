@@ -52,16 +52,20 @@ HF_LAYER = {
 
 def spm_vocab():
   """(tokens, scores, types): specials, 256 byte pieces, a few words."""
-  entries = [(t, CONTROL) for t in ('<pad>', '<eos>', '<bos>', '<unk>',
-                                    '<mask>')]
-  entries += [('[multimodal]', USER), ('<start_of_turn>', CONTROL),
-              ('<end_of_turn>', CONTROL), ('\n', USER), ('  ', USER)]
+  entries = [(t, CONTROL) for t in ('<pad>', '<eos>', '<bos>', '<unk>', '<mask>')]
+  entries += [
+      ('[multimodal]', USER),
+      ('<start_of_turn>', CONTROL),
+      ('<end_of_turn>', CONTROL),
+      ('\n', USER),
+      ('  ', USER),
+  ]
   entries += [(f'<0x{b:02X}>', BYTE) for b in range(256)]
-  entries += [(t, NORMAL) for t in (
-      '▁', 'e', 'h', 'l', 'o', 'w', 'r', 'd', 'll', 'he', 'llo', 'hello',
-      '▁w', 'or', 'ld', 'orld', '▁world')]
-  scores = [0.0 if k == BYTE else -1000.0 if k != NORMAL else -float(i)
-            for i, (_, k) in enumerate(entries)]
+  entries += [
+      (t, NORMAL)
+      for t in ('▁', 'e', 'h', 'l', 'o', 'w', 'r', 'd', 'll', 'he', 'llo', 'hello', '▁w', 'or', 'ld', 'orld', '▁world')
+  ]
+  scores = [0.0 if k == BYTE else -1000.0 if k != NORMAL else -float(i) for i, (_, k) in enumerate(entries)]
   return [t for t, _ in entries], scores, [k for _, k in entries]
 
 
@@ -89,8 +93,7 @@ def tensor_shapes():
 
 
 def hf_name(gguf_name):
-  top = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm',
-         'output': 'lm_head'}
+  top = {'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
   if gguf_name in top:
     return f'{top[gguf_name]}.weight'
   _, layer, part = gguf_name.split('.')
@@ -101,7 +104,7 @@ def hf_name(gguf_name):
 
 
 def _f16(blocks, start):
-  return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
+  return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)
 
 
 def decode_q8_0(blocks):
@@ -138,10 +141,9 @@ def decode_q4_k(blocks):
   qs = blocks[:, 16:144]
   out = np.empty((len(blocks), 256), np.float32)
   for sub in range(8):
-    chunk = qs[:, 32 * (sub // 2):32 * (sub // 2) + 32]
+    chunk = qs[:, 32 * (sub // 2) : 32 * (sub // 2) + 32]
     q = (chunk & 15) if sub % 2 == 0 else (chunk >> 4)
-    out[:, 32 * sub:32 * sub + 32] = (
-        d * scales[:, sub:sub + 1] * q - dmin * mins[:, sub:sub + 1])
+    out[:, 32 * sub : 32 * sub + 32] = d * scales[:, sub : sub + 1] * q - dmin * mins[:, sub : sub + 1]
   return out
 
 
@@ -151,11 +153,10 @@ def decode_q5_k(blocks):
   qh, qs = blocks[:, 16:48], blocks[:, 48:176]
   out = np.empty((len(blocks), 256), np.float32)
   for sub in range(8):
-    chunk = qs[:, 32 * (sub // 2):32 * (sub // 2) + 32]
+    chunk = qs[:, 32 * (sub // 2) : 32 * (sub // 2) + 32]
     q = (chunk & 15) if sub % 2 == 0 else (chunk >> 4)
     q = q.astype(np.float32) + 16 * ((qh >> sub) & 1)
-    out[:, 32 * sub:32 * sub + 32] = (
-        d * scales[:, sub:sub + 1] * q - dmin * mins[:, sub:sub + 1])
+    out[:, 32 * sub : 32 * sub + 32] = d * scales[:, sub : sub + 1] * q - dmin * mins[:, sub : sub + 1]
   return out
 
 
@@ -165,17 +166,23 @@ def decode_q6_k(blocks):
   d = _f16(blocks, 208)
   q = np.empty((len(blocks), 256), np.float32)
   for half in range(2):
-    l, h = ql[:, 64 * half:64 * half + 64], qh[:, 32 * half:32 * half + 32]
+    l, h = ql[:, 64 * half : 64 * half + 64], qh[:, 32 * half : 32 * half + 32]
     base = 128 * half
-    q[:, base:base + 32] = (l[:, :32] & 15) | ((h & 3) << 4)
-    q[:, base + 32:base + 64] = (l[:, 32:] & 15) | (((h >> 2) & 3) << 4)
-    q[:, base + 64:base + 96] = (l[:, :32] >> 4) | (((h >> 4) & 3) << 4)
-    q[:, base + 96:base + 128] = (l[:, 32:] >> 4) | (((h >> 6) & 3) << 4)
+    q[:, base : base + 32] = (l[:, :32] & 15) | ((h & 3) << 4)
+    q[:, base + 32 : base + 64] = (l[:, 32:] & 15) | (((h >> 2) & 3) << 4)
+    q[:, base + 64 : base + 96] = (l[:, :32] >> 4) | (((h >> 4) & 3) << 4)
+    q[:, base + 96 : base + 128] = (l[:, 32:] >> 4) | (((h >> 6) & 3) << 4)
   return d * np.repeat(scales, 16, axis=1) * (q - 32)
 
 
-DECODERS = {Q.Q8_0: decode_q8_0, Q.Q4_0: decode_q4_0, Q.Q5_0: decode_q5_0,
-            Q.Q4_K: decode_q4_k, Q.Q5_K: decode_q5_k, Q.Q6_K: decode_q6_k}
+DECODERS = {
+    Q.Q8_0: decode_q8_0,
+    Q.Q4_0: decode_q4_0,
+    Q.Q5_0: decode_q5_0,
+    Q.Q4_K: decode_q4_k,
+    Q.Q5_K: decode_q5_k,
+    Q.Q6_K: decode_q6_k,
+}
 
 
 def random_k_blocks(rng, qtype, n_blocks):
@@ -213,8 +220,7 @@ def encode_tensor(rng, qtype, shape):
   return stored, values, 0.01  # BF16
 
 
-def write_gguf(path, *, arch='gemma3', types=None, seed=0, extra_kv=None,
-               drop=(), add=None, alignment=None):
+def write_gguf(path, *, arch='gemma3', types=None, seed=0, extra_kv=None, drop=(), add=None, alignment=None):
   """Writes a tiny gemma3-shaped GGUF; returns {HF name: expected values}."""
   rng = np.random.default_rng(seed)
   tokens, scores, token_types = spm_vocab()
@@ -255,15 +261,13 @@ def write_gguf(path, *, arch='gemma3', types=None, seed=0, extra_kv=None,
     qtype = types.get(name, Q.F32)
     if name.endswith('norm'):  # stored as 1 + w, like the converter does
       w_values = rng.normal(0.0, 0.1, shape).astype(np.float32)
-      stored = (w_values + 1.0).astype(np.float16 if qtype == Q.F16 else
-                                       np.float32)
+      stored = (w_values + 1.0).astype(np.float16 if qtype == Q.F16 else np.float32)
       expected[name] = stored.astype(np.float32) - np.float32(1.0), 0.0
       w.add_tensor(f'{name}.weight', stored)
       continue
     if qtype == Q.Q2_K:  # unsupported by the loader: raw random blocks
       _, type_size = gguf.GGML_QUANT_SIZES[qtype]
-      stored = rng.integers(0, 256, (shape[0], shape[1] // 256 * type_size),
-                            dtype=np.uint8)
+      stored = rng.integers(0, 256, (shape[0], shape[1] // 256 * type_size), dtype=np.uint8)
       w.add_tensor(f'{name}.weight', stored, raw_dtype=qtype)
       continue
     stored, values, tolerance = encode_tensor(rng, qtype, shape)
@@ -328,23 +332,20 @@ def test_tensors_dequantized_and_renamed(tiny):
     got = ckpt.tensors[name]
     assert got.dtype == np.float32 and got.shape == values.shape, name
     assert got.flags.writeable, name
-    np.testing.assert_allclose(got, values, rtol=tolerance, atol=tolerance,
-                               err_msg=name)
-  assert ckpt.tensors['model.layers.0.self_attn.q_proj.weight'].shape == (
-      HEADS * HEAD_DIM, HIDDEN)  # [out, in]
+    np.testing.assert_allclose(got, values, rtol=tolerance, atol=tolerance, err_msg=name)
+  assert ckpt.tensors['model.layers.0.self_attn.q_proj.weight'].shape == (HEADS * HEAD_DIM, HIDDEN)  # [out, in]
 
 
 def test_norm_shift_undone(tiny):
   path, _, ckpt = tiny
   reader = gguf.GGUFReader(str(path))
   stored = {t.name: np.asarray(t.data, np.float32) for t in reader.tensors}
-  for gguf_name, hf in [('output_norm.weight', 'model.norm.weight'),
-                        ('blk.0.attn_norm.weight',
-                         'model.layers.0.input_layernorm.weight'),
-                        ('blk.1.ffn_norm.weight',
-                         'model.layers.1.pre_feedforward_layernorm.weight'),
-                        ('blk.1.attn_q_norm.weight',
-                         'model.layers.1.self_attn.q_norm.weight')]:
+  for gguf_name, hf in [
+      ('output_norm.weight', 'model.norm.weight'),
+      ('blk.0.attn_norm.weight', 'model.layers.0.input_layernorm.weight'),
+      ('blk.1.ffn_norm.weight', 'model.layers.1.pre_feedforward_layernorm.weight'),
+      ('blk.1.attn_q_norm.weight', 'model.layers.1.self_attn.q_norm.weight'),
+  ]:
     np.testing.assert_array_equal(ckpt.tensors[hf], stored[gguf_name] - 1.0)
     assert abs(float(ckpt.tensors[hf].mean())) < 0.1  # zero-centred
 
@@ -391,14 +392,18 @@ def test_tensor_bytes_match_gguf_reader(tmp_path):
 
 def test_config_keys_from_metadata(tmp_path):
   path = tmp_path / 'keys.gguf'
-  write_gguf(path, extra_kv={
-      'gemma3.rope.freq_base_swa': ('float32', 20_000.0),
-      'gemma3.final_logit_softcapping': ('float32', 30.0),
-      'gemma3.attention.sliding_window_pattern': ('array', [False, True]),
-      'tokenizer.ggml.eot_token_id': ('uint32', 7),
-      'general.sampling.temp': ('float32', 0.7),
-      'general.sampling.top_k': ('int32', 64),
-  }, add={'output': (len(spm_vocab()[0]), HIDDEN)})
+  write_gguf(
+      path,
+      extra_kv={
+          'gemma3.rope.freq_base_swa': ('float32', 20_000.0),
+          'gemma3.final_logit_softcapping': ('float32', 30.0),
+          'gemma3.attention.sliding_window_pattern': ('array', [False, True]),
+          'tokenizer.ggml.eot_token_id': ('uint32', 7),
+          'general.sampling.temp': ('float32', 0.7),
+          'general.sampling.top_k': ('int32', 64),
+      },
+      add={'output': (len(spm_vocab()[0]), HIDDEN)},
+  )
   ckpt = gguf_loader.load_gguf(str(path))
   config = ckpt.config
   assert config['rope_local_base_freq'] == 20_000.0
@@ -410,10 +415,13 @@ def test_config_keys_from_metadata(tmp_path):
   assert (ckpt.generation.temperature, ckpt.generation.top_k) == (0.7, 64)
 
 
-@pytest.mark.parametrize('pattern, layer_types', [
-    (('uint32', 2), ['sliding_attention', 'full_attention']),
-    (('array', [True, False]), ['sliding_attention', 'full_attention']),
-])
+@pytest.mark.parametrize(
+    'pattern, layer_types',
+    [
+        (('uint32', 2), ['sliding_attention', 'full_attention']),
+        (('array', [True, False]), ['sliding_attention', 'full_attention']),
+    ],
+)
 def test_sliding_window_pattern(tmp_path, pattern, layer_types):
   path = tmp_path / 'pattern.gguf'
   write_gguf(path, extra_kv={'gemma3.attention.sliding_window_pattern': pattern})
@@ -467,8 +475,7 @@ def test_unsupported_tensor_type_before_dequantizing(tmp_path, monkeypatch):
 def test_unknown_architecture(tmp_path):
   path = tmp_path / 'phi3.gguf'
   write_gguf(path, arch='phi3')
-  with pytest.raises(SpecjaxError,
-                     match=r"architecture 'phi3'.*gemma3, llama, qwen3"):
+  with pytest.raises(SpecjaxError, match=r"architecture 'phi3'.*gemma3, llama, qwen3"):
     gguf_loader.load_gguf(str(path))
 
 
@@ -500,16 +507,29 @@ def real(real_path):
 def test_real_config(real):
   config = real.config
   expected = {
-      'model_type': 'gemma3_text', 'vocab_size': 262144, 'hidden_size': 640,
-      'intermediate_size': 2048, 'num_hidden_layers': 18,
-      'num_attention_heads': 4, 'num_key_value_heads': 1, 'head_dim': 256,
-      'rms_norm_eps': 1e-6, 'rope_theta': 1_000_000.0,
-      'rope_local_base_freq': 10_000.0, 'sliding_window': 512,
-      'sliding_window_pattern': 6, 'query_pre_attn_scalar': 256,
-      'final_logit_softcapping': None, 'attn_logit_softcapping': None,
-      'max_position_embeddings': 32768, 'tie_word_embeddings': True,
-      'hidden_activation': 'gelu_pytorch_tanh', 'rope_scaling': None,
-      'bos_token_id': 2, 'eos_token_id': 1, 'pad_token_id': 0,
+      'model_type': 'gemma3_text',
+      'vocab_size': 262144,
+      'hidden_size': 640,
+      'intermediate_size': 2048,
+      'num_hidden_layers': 18,
+      'num_attention_heads': 4,
+      'num_key_value_heads': 1,
+      'head_dim': 256,
+      'rms_norm_eps': 1e-6,
+      'rope_theta': 1_000_000.0,
+      'rope_local_base_freq': 10_000.0,
+      'sliding_window': 512,
+      'sliding_window_pattern': 6,
+      'query_pre_attn_scalar': 256,
+      'final_logit_softcapping': None,
+      'attn_logit_softcapping': None,
+      'max_position_embeddings': 32768,
+      'tie_word_embeddings': True,
+      'hidden_activation': 'gelu_pytorch_tanh',
+      'rope_scaling': None,
+      'bos_token_id': 2,
+      'eos_token_id': 1,
+      'pad_token_id': 0,
   }
   assert {k: config[k] for k in expected} == expected
   full = [i for i, t in enumerate(config['layer_types']) if t == 'full_attention']
@@ -543,7 +563,6 @@ def test_real_tensors(real, real_path):
     np.testing.assert_array_equal(tensors[hf], want, err_msg=gguf_name)
   embed = parsed.tensors['token_embd.weight']
   rows = gguf.quants.dequantize(parsed.raw(embed)[-1000:], Q.Q8_0)
-  np.testing.assert_array_equal(
-      tensors['model.embed_tokens.weight'][-1000:], rows)
+  np.testing.assert_array_equal(tensors['model.embed_tokens.weight'][-1000:], rows)
   # Stored norms hold 1 + w with w around 12.5 (models.md 1.4).
   assert 11.0 < float(tensors['model.layers.0.input_layernorm.weight'].mean()) < 14.0

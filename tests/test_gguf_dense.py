@@ -14,10 +14,14 @@ from specjax.errors import SpecjaxError
 from specjax.loading import gguf as gguf_loader
 
 # HF tokenizer.json Split regexes (meta-llama/Meta-Llama-3-8B, Qwen/Qwen3-*).
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r'|\s*[\r\n]+|\s+(?!\S)|\s+')
-QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r'|\s*[\r\n]+|\s+(?!\S)|\s+')
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r'|\s*[\r\n]+|\s+(?!\S)|\s+'
+)
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r'|\s*[\r\n]+|\s+(?!\S)|\s+'
+)
 NORMAL, CONTROL, USER, UNUSED = 1, 3, 4, 5
 
 SHAPES = {  # hidden, layers, heads, kv_heads, head_dim, ffn
@@ -25,17 +29,52 @@ SHAPES = {  # hidden, layers, heads, kv_heads, head_dim, ffn
     'qwen3': (64, 2, 4, 2, 32, 256),  # head_dim != hidden / heads: key_length is read
 }
 SPECIALS = {  # (content, special) appended after the BPE vocabulary, as HF added_tokens
-    'llama': [('<|begin_of_text|>', True), ('<|end_of_text|>', True), ('<|start_header_id|>', True),
-              ('<|end_header_id|>', True), ('<|eot_id|>', True)],
-    'qwen3': [('<|endoftext|>', True), ('<|im_start|>', True), ('<|im_end|>', True), ('<think>', False),
-              ('</think>', False)],
+    'llama': [
+        ('<|begin_of_text|>', True),
+        ('<|end_of_text|>', True),
+        ('<|start_header_id|>', True),
+        ('<|end_header_id|>', True),
+        ('<|eot_id|>', True),
+    ],
+    'qwen3': [
+        ('<|endoftext|>', True),
+        ('<|im_start|>', True),
+        ('<|im_end|>', True),
+        ('<think>', False),
+        ('</think>', False),
+    ],
 }
 PAD_ROWS = {'llama': 0, 'qwen3': 3}  # qwen3: config vocab_size past the tokenizer ([PADn], UNUSED)
-MERGE_WORDS = [' hello', 'hello', ' world', "'s", ' the', ' here', '123', ' 12', 'café', ' naïve', '日本', '\n\n',
-               '  ', ' he', 'HE']
+MERGE_WORDS = [
+    ' hello',
+    'hello',
+    ' world',
+    "'s",
+    ' the',
+    ' here',
+    '123',
+    ' 12',
+    'café',
+    ' naïve',
+    '日本',
+    '\n\n',
+    '  ',
+    ' he',
+    'HE',
+]
 WHOLE_WORDS = [' goodbye']  # in the vocabulary, not reachable by merges (Llama 3's ignore_merges matters)
-TEXTS = ['hello world', ' hello  world\n\n', "he's here, the 123 12345", "HELLO'S wOrld", 'cafe\u0301 naïve 日本語',
-         ' goodbye goodbye', '🦙 llama', 'tab\there  \n x', '', ' ']
+TEXTS = [
+    'hello world',
+    ' hello  world\n\n',
+    "he's here, the 123 12345",
+    "HELLO'S wOrld",
+    'cafe\u0301 naïve 日本語',
+    ' goodbye goodbye',
+    '🦙 llama',
+    'tab\there  \n x',
+    '',
+    ' ',
+]
 SPECIAL_TEXTS = {
     'llama': ['<|begin_of_text|>hi<|eot_id|>', '<|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>'],
     'qwen3': ['<|im_start|>user\nhello<|im_end|>\n', '<think>\nok</think>\n\n<|endoftext|>'],
@@ -82,33 +121,73 @@ def bpe_vocab():
 def reference_tokenizer(arch):
   """What the model's HF tokenizer.json says, loaded by `tokenizers` itself."""
   vocab, merges = bpe_vocab()
-  added = [{'id': len(vocab) + i, 'content': t, 'single_word': False, 'lstrip': False, 'rstrip': False,
-            'normalized': False, 'special': special} for i, (t, special) in enumerate(SPECIALS[arch])]
+  added = [
+      {
+          'id': len(vocab) + i,
+          'content': t,
+          'single_word': False,
+          'lstrip': False,
+          'rstrip': False,
+          'normalized': False,
+          'special': special,
+      }
+      for i, (t, special) in enumerate(SPECIALS[arch])
+  ]
   llama = arch == 'llama'
   byte_level_json = {'type': 'ByteLevel', 'add_prefix_space': False, 'trim_offsets': llama, 'use_regex': False}
   if llama:  # Meta-Llama-3: ByteLevel, then <|begin_of_text|> $A
     bos = added[0]['content']
-    post = {'type': 'Sequence', 'processors': [
-        {'type': 'ByteLevel', 'add_prefix_space': True, 'trim_offsets': False, 'use_regex': True},
-        {'type': 'TemplateProcessing',
-         'single': [{'SpecialToken': {'id': bos, 'type_id': 0}}, {'Sequence': {'id': 'A', 'type_id': 0}}],
-         'pair': [{'SpecialToken': {'id': bos, 'type_id': 0}}, {'Sequence': {'id': 'A', 'type_id': 0}},
-                  {'SpecialToken': {'id': bos, 'type_id': 1}}, {'Sequence': {'id': 'B', 'type_id': 1}}],
-         'special_tokens': {bos: {'id': bos, 'ids': [added[0]['id']], 'tokens': [bos]}}}]}
+    post = {
+        'type': 'Sequence',
+        'processors': [
+            {'type': 'ByteLevel', 'add_prefix_space': True, 'trim_offsets': False, 'use_regex': True},
+            {
+                'type': 'TemplateProcessing',
+                'single': [{'SpecialToken': {'id': bos, 'type_id': 0}}, {'Sequence': {'id': 'A', 'type_id': 0}}],
+                'pair': [
+                    {'SpecialToken': {'id': bos, 'type_id': 0}},
+                    {'Sequence': {'id': 'A', 'type_id': 0}},
+                    {'SpecialToken': {'id': bos, 'type_id': 1}},
+                    {'Sequence': {'id': 'B', 'type_id': 1}},
+                ],
+                'special_tokens': {bos: {'id': bos, 'ids': [added[0]['id']], 'tokens': [bos]}},
+            },
+        ],
+    }
   else:  # Qwen3: ByteLevel only, no BOS
     post = {'type': 'ByteLevel', 'add_prefix_space': False, 'trim_offsets': False, 'use_regex': False}
   doc = {
-      'version': '1.0', 'truncation': None, 'padding': None, 'added_tokens': added,
+      'version': '1.0',
+      'truncation': None,
+      'padding': None,
+      'added_tokens': added,
       'normalizer': None if llama else {'type': 'NFC'},
-      'pre_tokenizer': {'type': 'Sequence', 'pretokenizers': [
-          {'type': 'Split', 'pattern': {'Regex': LLAMA3_REGEX if llama else QWEN2_REGEX}, 'behavior': 'Isolated',
-           'invert': False},
-          byte_level_json]},
+      'pre_tokenizer': {
+          'type': 'Sequence',
+          'pretokenizers': [
+              {
+                  'type': 'Split',
+                  'pattern': {'Regex': LLAMA3_REGEX if llama else QWEN2_REGEX},
+                  'behavior': 'Isolated',
+                  'invert': False,
+              },
+              byte_level_json,
+          ],
+      },
       'post_processor': post,
       'decoder': {'type': 'ByteLevel', 'add_prefix_space': True, 'trim_offsets': True, 'use_regex': True},
-      'model': {'type': 'BPE', 'dropout': None, 'unk_token': None, 'continuing_subword_prefix': None,
-                'end_of_word_suffix': None, 'fuse_unk': False, 'byte_fallback': False, 'ignore_merges': llama,
-                'vocab': vocab, 'merges': [list(m) for m in merges]},
+      'model': {
+          'type': 'BPE',
+          'dropout': None,
+          'unk_token': None,
+          'continuing_subword_prefix': None,
+          'end_of_word_suffix': None,
+          'fuse_unk': False,
+          'byte_fallback': False,
+          'ignore_merges': llama,
+          'vocab': vocab,
+          'merges': [list(m) for m in merges],
+      },
   }
   return tokenizers.Tokenizer.from_str(json.dumps(doc))
 
@@ -166,8 +245,11 @@ def converter_permute(weights, n_head, n_head_kv):
   """`LlamaModel.permute` of convert_hf_to_gguf, in numpy."""
   if n_head_kv is not None and n_head != n_head_kv:
     n_head = n_head_kv
-  return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-          .swapaxes(1, 2).reshape(weights.shape))
+  return (
+      weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+      .swapaxes(1, 2)
+      .reshape(weights.shape)
+  )
 
 
 def converter_rope_factors(base, dim, factor, low_freq_factor, high_freq_factor, old_context_len=8192):
@@ -212,8 +294,23 @@ TYPES = {
 }
 
 
-def write_dense_gguf(path, arch, *, tied=False, seed=0, rope=None, rope_factors=None, name=None, extra_kv=None,
-                     drop=(), add=None, types=None, spm=False, pre=None, rope_dim=None):
+def write_dense_gguf(
+    path,
+    arch,
+    *,
+    tied=False,
+    seed=0,
+    rope=None,
+    rope_factors=None,
+    name=None,
+    extra_kv=None,
+    drop=(),
+    add=None,
+    types=None,
+    spm=False,
+    pre=None,
+    rope_dim=None,
+):
   """Converts `hf_checkpoint(arch)` like convert_hf_to_gguf; returns {HF name: expected float32 values}.
 
   `rope`: (factor, low_freq_factor, high_freq_factor) of a Llama 3 `rope_scaling` (-> `rope_freqs.weight`);
@@ -341,8 +438,13 @@ def test_llama_config(llama):
       'hidden_act': 'silu',
       'rms_norm_eps': 1e-5,
       'rope_theta': 500000.0,
-      'rope_scaling': {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
-                       'original_max_position_embeddings': 8192},
+      'rope_scaling': {
+          'rope_type': 'llama3',
+          'factor': 8.0,
+          'low_freq_factor': 1.0,
+          'high_freq_factor': 4.0,
+          'original_max_position_embeddings': 8192,
+      },
       'rope_freq_factors': None,
       'max_position_embeddings': 131072,
       'attention_bias': False,
@@ -401,10 +503,13 @@ def test_tensors_equal_hf(arch, llama, qwen3):
     assert not np.array_equal(converter_permute(hf[name], 4, 4), hf[name])  # the permutation is not trivial
 
 
-@pytest.mark.parametrize('rope, want', [
-    ((32.0, 1.0, 4.0), {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0}),  # Llama 3.2
-    ((16.0, 2.0, 8.0), None),  # equivalent parameters may be found: compare factors
-])
+@pytest.mark.parametrize(
+    'rope, want',
+    [
+        ((32.0, 1.0, 4.0), {'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0}),  # Llama 3.2
+        ((16.0, 2.0, 8.0), None),  # equivalent parameters may be found: compare factors
+    ],
+)
 def test_llama3_rope_recovered(tmp_path, rope, want):
   path = tmp_path / 'rope.gguf'
   write_dense_gguf(path, 'llama', rope=rope)
@@ -414,8 +519,9 @@ def test_llama3_rope_recovered(tmp_path, rope, want):
   if want is not None:
     assert scaling == {'rope_type': 'llama3', **want, 'original_max_position_embeddings': 8192}
   head_dim = config['head_dim']
-  np.testing.assert_allclose(hf_llama3_factors(500000.0, head_dim, scaling),
-                             converter_rope_factors(500000.0, head_dim, *rope), rtol=1e-6)
+  np.testing.assert_allclose(
+      hf_llama3_factors(500000.0, head_dim, scaling), converter_rope_factors(500000.0, head_dim, *rope), rtol=1e-6
+  )
 
 
 def test_rope_freq_factors_carried(tmp_path):
@@ -455,7 +561,10 @@ def test_mistral(tmp_path):
   write_dense_gguf(path, 'llama', name='Mistral 7B Instruct v0.3')
   config = gguf_loader.load_gguf(str(path)).config
   assert (config['model_type'], config['architectures'], config['sliding_window']) == (
-      'mistral', ['MistralForCausalLM'], None)
+      'mistral',
+      ['MistralForCausalLM'],
+      None,
+  )
   assert config['rope_scaling'] is None and config['rope_freq_factors'] is None
   write_dense_gguf(path, 'llama', name='some finetune', extra_kv={'llama.attention.sliding_window': ('uint32', 4096)})
   assert gguf_loader.load_gguf(str(path)).config['sliding_window'] == 4096
@@ -476,13 +585,26 @@ def test_mistral_sentencepiece_tokenizer(tmp_path):
 
 def test_rope_scaling_metadata(tmp_path):
   path = tmp_path / 'yarn.gguf'
-  write_dense_gguf(path, 'qwen3', tied=True, extra_kv={
-      'qwen3.rope.scaling.type': ('string', 'yarn'), 'qwen3.rope.scaling.factor': ('float32', 4.0),
-      'qwen3.rope.scaling.original_context_length': ('uint32', 32768)})
+  write_dense_gguf(
+      path,
+      'qwen3',
+      tied=True,
+      extra_kv={
+          'qwen3.rope.scaling.type': ('string', 'yarn'),
+          'qwen3.rope.scaling.factor': ('float32', 4.0),
+          'qwen3.rope.scaling.original_context_length': ('uint32', 32768),
+      },
+  )
   assert gguf_loader.load_gguf(str(path)).config['rope_scaling'] == {
-      'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 32768}
-  write_dense_gguf(path, 'llama', extra_kv={
-      'llama.rope.scaling.type': ('string', 'linear'), 'llama.rope.scaling.factor': ('float32', 2.0)})
+      'rope_type': 'yarn',
+      'factor': 4.0,
+      'original_max_position_embeddings': 32768,
+  }
+  write_dense_gguf(
+      path,
+      'llama',
+      extra_kv={'llama.rope.scaling.type': ('string', 'linear'), 'llama.rope.scaling.factor': ('float32', 2.0)},
+  )
   assert gguf_loader.load_gguf(str(path)).config['rope_scaling'] == {'rope_type': 'linear', 'factor': 2.0}
   write_dense_gguf(path, 'llama', extra_kv={'llama.rope.scaling.type': ('string', 'longrope')})
   with pytest.raises(SpecjaxError, match="rope.scaling.type 'longrope'"):

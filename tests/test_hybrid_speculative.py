@@ -15,11 +15,13 @@ from specjax import SpecjaxError
 from specjax.cache.paged import KVCache, state_bytes
 from specjax.drafters import make_drafter
 from conftest import FIXTURES
-from test_speculative_sampling import ALPHA, SETTINGS, samples, second_token_law, goodness_of_fit_pvalue, \
-    two_sample_pvalue
+from test_speculative_sampling import ALPHA, SETTINGS, samples, second_token_law, goodness_of_fit_pvalue, two_sample_pvalue
 
-PROMPTS = ['The cat sat on the mat. The cat sat on the mat. The cat', 'def add(a, b):\n    return a + b\n\ndef add(',
-           'Hello']
+PROMPTS = [
+    'The cat sat on the mat. The cat sat on the mat. The cat',
+    'def add(a, b):\n    return a + b\n\ndef add(',
+    'Hello',
+]
 
 
 @pytest.fixture(scope='module', params=['tiny_qwen3_5', 'tiny_qwen3_next'])
@@ -43,14 +45,21 @@ def test_greedy_equals_autoregressive(hybrid, kind):
 
 def _forward(model):
   fwd = jax.jit(lambda params, tokens, cache, lens: append(nnx.merge(model.graphdef, params), tokens, cache, lens)[:2])
-  return lambda tokens, cache, lens: fwd(model.params, jnp.asarray(tokens, jnp.int32), cache,
-                                        jnp.asarray(lens, jnp.int32))
+  return lambda tokens, cache, lens: fwd(
+      model.params, jnp.asarray(tokens, jnp.int32), cache, jnp.asarray(lens, jnp.int32)
+  )
 
 
 def _cache(model, b, num_slots, pages_per_seq=8, page_size=4):
   tables = np.arange(1, b * pages_per_seq + 1, dtype=np.int32).reshape(b, pages_per_seq)
-  return KVCache.create(model.kv_shapes, num_pages=b * pages_per_seq + 1, page_size=page_size, block_tables=tables,
-                        state_shapes=model.state_shapes, num_slots=num_slots)
+  return KVCache.create(
+      model.kv_shapes,
+      num_pages=b * pages_per_seq + 1,
+      page_size=page_size,
+      block_tables=tables,
+      state_shapes=model.state_shapes,
+      num_slots=num_slots,
+  )
 
 
 def _current(slots, slot):  # [B, S, ...] -> [B, ...]
@@ -85,7 +94,7 @@ def test_rollback_equals_recompute(qwen35, data):
   nxt = np.array([[data.draw(tok)] for _ in range(b)])
   hidden, cache = fwd(nxt, cache, [1] * b)  # a decode step from the committed state
 
-  texts = [p + list(block[i, :kept[i]]) + [int(nxt[i, 0])] for i, p in enumerate(prompts)]
+  texts = [p + list(block[i, : kept[i]]) + [int(nxt[i, 0])] for i, p in enumerate(prompts)]
   fresh_ids = np.array([t + [0] * (16 - len(t)) for t in texts])
   fresh_hidden, fresh = fwd(fresh_ids, _cache(model, b, 1), [len(t) for t in texts])
   lens = np.array([len(t) for t in texts])
@@ -93,16 +102,20 @@ def test_rollback_equals_recompute(qwen35, data):
   last = np.asarray(fresh_hidden)[np.arange(b), lens - 1]
   np.testing.assert_allclose(np.asarray(hidden)[:, 0], last, atol=1e-4, rtol=0)
   for layer in range(len(model.state_shapes)):
-    np.testing.assert_allclose(_current(cache.ssm[layer], cache.state_slot), np.asarray(fresh.ssm[layer])[:, 0],
-                               atol=1e-5, rtol=0)
-    np.testing.assert_allclose(_current(cache.conv[layer], cache.state_slot), np.asarray(fresh.conv[layer])[:, 0],
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        _current(cache.ssm[layer], cache.state_slot), np.asarray(fresh.ssm[layer])[:, 0], atol=1e-5, rtol=0
+    )
+    np.testing.assert_allclose(
+        _current(cache.conv[layer], cache.state_slot), np.asarray(fresh.conv[layer])[:, 0], atol=1e-5, rtol=0
+    )
   for layer in range(len(model.kv_shapes)):  # the committed keys / values (same page layout in both)
     for pages, fresh_pages in ((cache.k_pages, fresh.k_pages), (cache.v_pages, fresh.v_pages)):
       for i in range(b):
-        got = np.asarray(pages[layer])[:, 1 + 8 * i:9 + 8 * i].reshape(pages[layer].shape[0], -1, pages[layer].shape[-1])
-        want = np.asarray(fresh_pages[layer])[:, 1 + 8 * i:9 + 8 * i].reshape(got.shape)
-        np.testing.assert_allclose(got[:, :lens[i]], want[:, :lens[i]], atol=1e-4, rtol=0)
+        got = np.asarray(pages[layer])[:, 1 + 8 * i : 9 + 8 * i].reshape(
+            pages[layer].shape[0], -1, pages[layer].shape[-1]
+        )
+        want = np.asarray(fresh_pages[layer])[:, 1 + 8 * i : 9 + 8 * i].reshape(got.shape)
+        np.testing.assert_allclose(got[:, : lens[i]], want[:, : lens[i]], atol=1e-4, rtol=0)
 
 
 def test_state_slots_memory(qwen35):
@@ -144,6 +157,7 @@ def test_mtp_bookkeeping_under_random_acceptance():
   distribution must equal the MTP head run from scratch over all committed pairs.
   """
   from specjax.drafters import BatchPlan, DraftContext
+
   model = specjax.load(f'{FIXTURES}/tiny_qwen3_5', mtp=True)
   target = model.module()
   drafter = make_drafter('mtp', model)
@@ -157,25 +171,51 @@ def test_mtp_bookkeeping_under_random_acceptance():
   lengths = np.array([9, 6])  # prompt lengths; x[:, L] is each row's last (not yet cached) token
   for start, stop in ((0, 5), (5, 9)):  # two prefill chunks, ragged
     lens = np.clip(lengths - start, 0, stop - start).astype(np.int32)
-    state = drafter.prefill(target, drafter.params(), state, jnp.asarray(x[:, start:stop]), jnp.asarray(lens),
-                            jnp.asarray(hidden[:, start:stop]))
+    state = drafter.prefill(
+        target,
+        drafter.params(),
+        state,
+        jnp.asarray(x[:, start:stop]),
+        jnp.asarray(lens),
+        jnp.asarray(hidden[:, start:stop]),
+    )
   sampling = specjax.SamplingParams(temperature=1.0)
   for _ in range(4):
-    ctx = DraftContext(jnp.asarray(x), jnp.asarray(lengths, jnp.int32), jnp.asarray(x[np.arange(b), lengths]),
-                       jnp.ones((b,), bool), jnp.arange(b, dtype=jnp.int32))
+    ctx = DraftContext(
+        jnp.asarray(x),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(x[np.arange(b), lengths]),
+        jnp.ones((b,), bool),
+        jnp.arange(b, dtype=jnp.int32),
+    )
     prop = drafter.propose(target, drafter.params(), state, full_cache, ctx, k, sampling)
     for i in range(b):
       m = lengths[i]
-      fresh = KVCache.create(model.kv_shapes[:1], num_pages=n // page + 1, page_size=page,
-                             block_tables=np.arange(1, n // page + 1, dtype=np.int32)[None])
+      fresh = KVCache.create(
+          model.kv_shapes[:1],
+          num_pages=n // page + 1,
+          page_size=page,
+          block_tables=np.arange(1, n // page + 1, dtype=np.int32)[None],
+      )
       head = nnx.merge(*model.heads['mtp'])
-      out, _ = head(target.embed(jnp.asarray(x[i:i + 1, 1:m + 1])), jnp.asarray(hidden[i:i + 1, :m]), fresh,
-                    StepInputs.chain(fresh, jnp.asarray([m], jnp.int32), m))
+      out, _ = head(
+          target.embed(jnp.asarray(x[i : i + 1, 1 : m + 1])),
+          jnp.asarray(hidden[i : i + 1, :m]),
+          fresh,
+          StepInputs.chain(fresh, jnp.asarray([m], jnp.int32), m),
+      )
       want = np.asarray(jax.nn.softmax(target.logits(out[0, m - 1])))
       np.testing.assert_allclose(np.asarray(prop.q[i, 0]), want, atol=1e-5)
     emitted = rng.integers(1, k + 2, b)
-    verify_hidden = np.stack([hidden[i, lengths[i]:lengths[i] + k + 1] for i in range(b)])
+    verify_hidden = np.stack([hidden[i, lengths[i] : lengths[i] + k + 1] for i in range(b)])
     lengths = lengths + emitted
-    ctx = DraftContext(jnp.asarray(x), jnp.asarray(lengths, jnp.int32), jnp.asarray(x[np.arange(b), lengths]),
-                       jnp.ones((b,), bool), jnp.arange(b, dtype=jnp.int32))
-    state = drafter.commit(drafter.params(), prop.state, ctx, jnp.asarray(emitted, jnp.int32), (), jnp.asarray(verify_hidden))
+    ctx = DraftContext(
+        jnp.asarray(x),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(x[np.arange(b), lengths]),
+        jnp.ones((b,), bool),
+        jnp.arange(b, dtype=jnp.int32),
+    )
+    state = drafter.commit(
+        drafter.params(), prop.state, ctx, jnp.asarray(emitted, jnp.int32), (), jnp.asarray(verify_hidden)
+    )

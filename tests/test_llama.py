@@ -29,13 +29,16 @@ def forward_logits(model, ids, lens, chunks=None, page_size=4):
   """Logits [B, T, V] of ragged rows `ids` [B, T], fed in `chunks` (default: one block) through the paged cache."""
   b, t = ids.shape
   graphdef, params = model.graphdef, model.params
-  run = jax.jit(lambda p, tok, inputs, cache: (lambda m: (lambda h, c: (m.logits(h), c))(
-      *m.forward(tok, inputs, cache)[:2]))(nnx.merge(graphdef, p)))
+  run = jax.jit(
+      lambda p, tok, inputs, cache: (lambda m: (lambda h, c: (m.logits(h), c))(*m.forward(tok, inputs, cache)[:2]))(
+          nnx.merge(graphdef, p)
+      )
+  )
   cache = make_cache(model, b, t, page_size=page_size, shuffle_pages=True)
   out, start = [], 0
   for n in chunks or [t]:
     q = np.clip(lens - start, 0, n).astype(np.int32)
-    tok = np.where(ids[:, start:start + n] < 0, 0, ids[:, start:start + n])
+    tok = np.where(ids[:, start : start + n] < 0, 0, ids[:, start : start + n])
     logits, cache = run(params, jnp.asarray(tok), StepInputs.chain(cache, jnp.asarray(q), n), cache)
     out.append(np.asarray(logits))
     start += n
@@ -103,12 +106,19 @@ def test_gguf_file_runs_as_its_hf_weights(tmp_path, arch):
   """A GGUF written as convert_hf_to_gguf does gives the logits of the HF weights it came from."""
   from test_gguf_dense import write_dense_gguf
   from specjax.loading.gguf import load_gguf
+
   path = tmp_path / f'{arch}.gguf'
-  expected = write_dense_gguf(path, arch, tied=arch == 'qwen3', rope=(8.0, 1.0, 4.0) if arch == 'llama' else None,
-                              types={})
+  expected = write_dense_gguf(
+      path, arch, tied=arch == 'qwen3', rope=(8.0, 1.0, 4.0) if arch == 'llama' else None, types={}
+  )
   gguf_ckpt = load_gguf(str(path))
-  hf_ckpt = Checkpoint(dict(gguf_ckpt.config), {k: np.asarray(v) for k, v in expected.items()}, gguf_ckpt.tokenizer,
-                       gguf_ckpt.generation, 'hf')
+  hf_ckpt = Checkpoint(
+      dict(gguf_ckpt.config),
+      {k: np.asarray(v) for k, v in expected.items()},
+      gguf_ckpt.tokenizer,
+      gguf_ckpt.generation,
+      'hf',
+  )
   from_gguf, from_hf = build_model(gguf_ckpt), build_model(hf_ckpt)
   ids = np.array([[1, 5, 9, 2, 7, 3, 4, 8]], np.int32)
   lens = np.array([8])
@@ -116,9 +126,24 @@ def test_gguf_file_runs_as_its_hf_weights(tmp_path, arch):
 
 
 def test_generate_cli_on_a_tiny_llama_dir():
-  out = subprocess.run([sys.executable, '-m', 'specjax.cli', 'generate', '-m', f'{FIXTURES}/tiny_llama3', '--prompt',
-                        'The capital of France is', '--max-new-tokens', '8', '--json'],
-                       capture_output=True, text=True, check=True)
+  out = subprocess.run(
+      [
+          sys.executable,
+          '-m',
+          'specjax.cli',
+          'generate',
+          '-m',
+          f'{FIXTURES}/tiny_llama3',
+          '--prompt',
+          'The capital of France is',
+          '--max-new-tokens',
+          '8',
+          '--json',
+      ],
+      capture_output=True,
+      text=True,
+      check=True,
+  )
   row = json.loads(out.stdout)
   assert len(row['tokens']) == 8 and row['model'].endswith('tiny_llama3')
 
@@ -127,9 +152,11 @@ def test_dense_config_errors(tmp_path):
   d = tmp_path / 'llama'
   shutil.copytree(f'{FIXTURES}/tiny_llama3', d)
   config = json.loads((d / 'config.json').read_text())
-  for change, message in [({'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}}, 'unsupported rope scaling'),
-                          ({'attention_bias': True}, 'attention_bias'),
-                          ({'num_key_value_heads': 3}, 'multiple of')]:
+  for change, message in [
+      ({'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}}, 'unsupported rope scaling'),
+      ({'attention_bias': True}, 'attention_bias'),
+      ({'num_key_value_heads': 3}, 'multiple of'),
+  ]:
     (d / 'config.json').write_text(json.dumps(config | change))
     with pytest.raises(specjax.SpecjaxError, match=message):
       specjax.load(str(d))

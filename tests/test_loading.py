@@ -61,6 +61,7 @@ def test_unknown_architecture_fails_before_weights(tmp_path):
 
 def test_missing_and_misshapen_weights(tmp_path):
   from safetensors.numpy import load_file, save_file
+
   path = copy_checkpoint(tmp_path / 'ckpt')
   tensors = load_file(f'{path}/model.safetensors')
   del tensors['model.layers.3.mlp.up_proj.weight']
@@ -92,15 +93,17 @@ def corrupt_copies(tmp_path):
       'empty': (b'', 'is empty'),
       'in the length': (data[:5], 'not a safetensors file'),
       'after the length': (data[:8], 'not a safetensors file'),
-      'in the header': (data[:header // 2], 'truncated: its header needs'),
+      'in the header': (data[: header // 2], 'truncated: its header needs'),
       'after the header': (data[:header], 'truncated: its tensors need'),
-      'mid-tensor': (data[:len(data) // 2], 'truncated: its tensors need'),
+      'mid-tensor': (data[: len(data) // 2], 'truncated: its tensors need'),
       'last byte': (data[:-1], 'truncated'),
       'garbage': (bytes(range(256)) * 64, 'not a safetensors file'),
       'text': (b'version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 372704\n', 'not a safetensors file'),
       'bad JSON': (data[:8] + b'{"x": ' + data[14:], 'bad safetensors header'),
-      'bad offsets': (data[:8] + json_header.replace(b'[0,65536]', b'[9,65536]', 1) + data[header:],
-                      'not a valid safetensors file'),
+      'bad offsets': (
+          data[:8] + json_header.replace(b'[0,65536]', b'[9,65536]', 1) + data[header:],
+          'not a valid safetensors file',
+      ),
       'trailing bytes': (data + b'\0' * 8, 'bytes follow the last tensor'),
   }
   out = {}
@@ -114,6 +117,7 @@ def corrupt_copies(tmp_path):
 
 def test_corrupt_safetensors_is_one_clear_error(tmp_path):
   from specjax.loading.hf import tensor_names
+
   for case, (path, message) in corrupt_copies(tmp_path).items():
     with pytest.raises(SpecjaxError) as e:
       specjax.load(path)
@@ -128,13 +132,15 @@ def test_corrupt_safetensors_on_the_command_line(tmp_path, capsys):
   import subprocess
   import sys
   from specjax import cli
+
   for case, (path, message) in corrupt_copies(tmp_path).items():
     code = cli.main(['generate', '-m', path, '--prompt', 'x'])
     out, err = capsys.readouterr()
     assert code == 2 and err.startswith('error: ') and message in err and err.count('\n') == 1, (case, err)
   path, message = corrupt_copies(tmp_path / 'proc')['mid-tensor']
-  proc = subprocess.run([sys.executable, '-m', 'specjax.cli', 'generate', '-m', path, '--prompt', 'x'],
-                        capture_output=True, text=True)
+  proc = subprocess.run(
+      [sys.executable, '-m', 'specjax.cli', 'generate', '-m', path, '--prompt', 'x'], capture_output=True, text=True
+  )
   assert proc.returncode == 2 and proc.stderr.startswith('error: ') and proc.stderr.count('\n') == 1, proc.stderr
   assert 'Traceback' not in proc.stderr and 'truncated' in proc.stderr
 
@@ -145,7 +151,7 @@ def test_sharded_checkpoint_problems(tmp_path):
   shard = f'{path}/model-00002-of-00002.safetensors'
   data = open(shard, 'rb').read()
   with open(shard, 'wb') as f:
-    f.write(data[:len(data) // 2])
+    f.write(data[: len(data) // 2])
   with pytest.raises(SpecjaxError, match='model-00002-of-00002.safetensors is truncated'):
     specjax.load(path)
   os.remove(shard)

@@ -31,9 +31,10 @@ def module(request):
 def jitted_forward(module):
   """`forward(tokens, inputs, cache, taps=())` of `module`, jitted (the graph split once)."""
   graphdef, state = nnx.split(module)
-  run = jax.jit(lambda state, tokens, inputs, cache, taps: nnx.merge(graphdef, state).forward(tokens, inputs, cache,
-                                                                                               taps),
-                static_argnums=4)
+  run = jax.jit(
+      lambda state, tokens, inputs, cache, taps: nnx.merge(graphdef, state).forward(tokens, inputs, cache, taps),
+      static_argnums=4,
+  )
   return lambda tokens, inputs, cache, taps=(): run(state, tokens, inputs, cache, taps)
 
 
@@ -91,7 +92,7 @@ def test_tree_nodes_equal_chains_along_their_paths(module):
     paths = [path(parents, i) for parents, _, _ in trees]
     chains = np.zeros((b, n), np.int32)
     for row, p in enumerate(paths):
-      chains[row, :len(p)] = nodes[row, p]
+      chains[row, : len(p)] = nodes[row, p]
     lens = jnp.asarray([len(p) for p in paths], jnp.int32)
     h, _, _ = forward(jnp.asarray(chains), StepInputs.chain(cache, lens, n), cache)
     for row, p in enumerate(paths):
@@ -128,7 +129,7 @@ def test_cache_free_tree_equals_chains(module):
   for i in range(n):
     p = path(parents, i)
     chain = np.zeros((1, n), np.int32)
-    chain[0, :len(p)] = nodes[0, p]
+    chain[0, : len(p)] = nodes[0, p]
     h, _, _ = forward(jnp.asarray(chain), StepInputs.chain(None, jnp.asarray([len(p)]), n, start=start), None)
     want = np.asarray(h)[0, len(p) - 1]
     np.testing.assert_allclose(np.asarray(hidden)[0, i], want, atol=2e-6 * np.abs(want).max(), rtol=0)
@@ -144,6 +145,7 @@ def test_random_init_from_rngs():
 
 def test_hybrid_refuses_tree_masks():
   from conftest import FIXTURES
+
   hybrid = specjax.load(f'{FIXTURES}/tiny_qwen3_5').module()
   mask = jnp.tril(jnp.ones((1, 3, 3), bool))
   with pytest.raises(ValueError, match='tree masks'):
@@ -167,8 +169,9 @@ def test_prefill_hands_the_whole_prompts_taps_to_the_drafter(tiny_model):
     taps: tuple[int, ...] = (0, 2)
 
     def init_state(self, plan):
-      return Seen(jnp.zeros((plan.batch, plan.capacity, tiny_model.config.hidden_size)),
-                  jnp.zeros((plan.batch,), jnp.int32))
+      return Seen(
+          jnp.zeros((plan.batch, plan.capacity, tiny_model.config.hidden_size)), jnp.zeros((plan.batch,), jnp.int32)
+      )
 
     def prefill(self, target, params, state, tokens, query_lens, hidden, taps=()):
       assert len(taps) == 2 and taps[0].shape == hidden.shape
@@ -183,15 +186,17 @@ def test_prefill_hands_the_whole_prompts_taps_to_the_drafter(tiny_model):
   state = engine.prefill(prompts, 4, specjax.SamplingParams(), eos)
   module = tiny_model.module()
   for row, p in enumerate(prompts):
-    _, _, (want, _) = module.forward(jnp.asarray([p]), StepInputs.chain(None, jnp.asarray([len(p)]), len(p)), None,
-                                     taps=(0, 2))
-    got = np.asarray(state.drafter.taps[row, :len(p)])
+    _, _, (want, _) = module.forward(
+        jnp.asarray([p]), StepInputs.chain(None, jnp.asarray([len(p)]), len(p)), None, taps=(0, 2)
+    )
+    got = np.asarray(state.drafter.taps[row, : len(p)])
     np.testing.assert_allclose(got, np.asarray(want[0]), atol=1e-5 * np.abs(want).max(), rtol=0)
     assert int(state.drafter.written[row]) == len(p)
 
 
 def test_trace_records_each_step(tiny_model):
   from specjax.drafters import make_drafter
+
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter('ngram', tiny_model), max_draft=4)
   prompt = 'The capital of France is Paris. The capital of France is'
   results, stats = engine.generate([prompt], max_new_tokens=16, num_draft=3, trace=True)
@@ -200,7 +205,7 @@ def test_trace_records_each_step(tiny_model):
   assert [t for step in r.trace for t in step['emitted']] == r.tokens[1:]  # the first token comes from prefill
   for step in r.trace:
     assert step['k'] == 3 and len(step['drafts']) <= 3 and 0 <= step['accepted'] <= len(step['drafts'])
-    assert step['drafts'][:step['accepted']] == step['emitted'][:step['accepted']]
+    assert step['drafts'][: step['accepted']] == step['emitted'][: step['accepted']]
   assert sum(s['accepted'] for s in r.trace) == r.spec.accepted
   plain, _ = engine.generate([prompt], max_new_tokens=16, num_draft=3)
   assert plain[0].trace is None and plain[0].tokens == r.tokens
@@ -220,6 +225,7 @@ def test_dtype_setting(tmp_path):
 def test_hybrid_cache_free_forward_equals_paged():
   """Without a cache the Gated DeltaNet layers start from zero state: the same hidden states as the paged forward."""
   from conftest import FIXTURES
+
   model = specjax.load(f'{FIXTURES}/tiny_qwen3_5')
   forward = jitted_forward(model.module())
   b, t = 2, 10

@@ -9,9 +9,26 @@ import pytest
 
 from specjax import SpecjaxError
 from specjax.drafters import NgramDrafter
-from specjax.policies import (ACCEPT, ENV, NONE, REJECT, UNKNOWN, CostTable, Fixed, Load, StepCosts, Trace,
-                              Tuner, bernoulli_trace, candidates_for, make_policy, oracle_best_fixed, regret,
-                              simulate, trace_from_stats)
+from specjax.policies import (
+    ACCEPT,
+    ENV,
+    NONE,
+    REJECT,
+    UNKNOWN,
+    CostTable,
+    Fixed,
+    Load,
+    StepCosts,
+    Trace,
+    Tuner,
+    bernoulli_trace,
+    candidates_for,
+    make_policy,
+    oracle_best_fixed,
+    regret,
+    simulate,
+    trace_from_stats,
+)
 
 CHEAP_VERIFY = lambda k, live: 1e-3 * (1 + 0.05 * k)  # a deeper block costs little more
 # Step costs injected into tuners run through a real engine, in place of the machine's wall times.
@@ -40,8 +57,10 @@ class BlockOptions:
 def block_family(monkeypatch):
   """A registered family whose deepest K depends on its options (block_size - 1, at most 7), as DFlash's will."""
   from specjax.drafters.registry import REGISTRY, DrafterFamily
-  family = DrafterFamily(name='blocky', options=BlockOptions, build=None, depths=(3, 5, 7),
-                         max_depth=lambda o: min(o.block_size - 1, 7))
+
+  family = DrafterFamily(
+      name='blocky', options=BlockOptions, build=None, depths=(3, 5, 7), max_depth=lambda o: min(o.block_size - 1, 7)
+  )
   monkeypatch.setitem(REGISTRY, 'blocky', family)
   return family
 
@@ -60,22 +79,25 @@ def test_candidates_per_family_and_caps(block_family):
   assert make_policy('load', family='blocky', options=BlockOptions(5)) == Load(full=4)
 
 
-@pytest.mark.parametrize('call, match', [
-    (lambda: candidates_for('eagle9'), 'unknown drafter family'),
-    (lambda: candidates_for('ngram', max_depth=0), 'max_depth'),
-    (lambda: make_policy('tuner', family='ngram', candidates=(2, 9)), 'outside the drafter'),
-    (lambda: make_policy('tuner', family='ngram', candidates=(0, 2)), 'outside the drafter'),
-    (lambda: make_policy('tuner', family='ngram', candidates=()), 'outside the drafter'),
-    (lambda: make_policy('fixed', family='ngram', k=5, max_depth=4), 'outside the drafter'),
-    (lambda: make_policy('load', family='mtp', k=0), 'outside the drafter'),
-    (lambda: make_policy('bandit', family='ngram'), 'unknown policy'),
-    (lambda: make_policy('tuner', family='ngram', threshold=4), 'no option threshold'),
-    (lambda: Tuner(()), 'candidate'),
-    (lambda: Tuner((2, 4), explore_every=1), 'explore_every'),
-    (lambda: Tuner((2, 4), alpha=0.0), 'alpha'),
-    (lambda: Fixed(0), 'K >= 1'),
-    (lambda: Load(full=4, reduced=0), 'reduced'),
-])
+@pytest.mark.parametrize(
+    'call, match',
+    [
+        (lambda: candidates_for('eagle9'), 'unknown drafter family'),
+        (lambda: candidates_for('ngram', max_depth=0), 'max_depth'),
+        (lambda: make_policy('tuner', family='ngram', candidates=(2, 9)), 'outside the drafter'),
+        (lambda: make_policy('tuner', family='ngram', candidates=(0, 2)), 'outside the drafter'),
+        (lambda: make_policy('tuner', family='ngram', candidates=()), 'outside the drafter'),
+        (lambda: make_policy('fixed', family='ngram', k=5, max_depth=4), 'outside the drafter'),
+        (lambda: make_policy('load', family='mtp', k=0), 'outside the drafter'),
+        (lambda: make_policy('bandit', family='ngram'), 'unknown policy'),
+        (lambda: make_policy('tuner', family='ngram', threshold=4), 'no option threshold'),
+        (lambda: Tuner(()), 'candidate'),
+        (lambda: Tuner((2, 4), explore_every=1), 'explore_every'),
+        (lambda: Tuner((2, 4), alpha=0.0), 'alpha'),
+        (lambda: Fixed(0), 'K >= 1'),
+        (lambda: Load(full=4, reduced=0), 'reduced'),
+    ],
+)
 def test_bad_input_raises(call, match):
   with pytest.raises(SpecjaxError, match=match):
     call()
@@ -142,7 +164,7 @@ def test_tuner_estimates_from_observed_positions():
   # Position 1 reached by 4 rows, accepted by 3; position 2 reached by 3, accepted by 2.
   np.testing.assert_allclose(tuner.acceptance(state), [3 / 4, 2 / 3, 2 / 3, 2 / 3])
   a1, a2 = 3 / 4, 2 / 3
-  want = [1 + a1 + a1 * a2, 1 + a1 + a1 * a2 + a1 * a2 ** 2 + a1 * a2 ** 3]
+  want = [1 + a1 + a1 * a2, 1 + a1 + a1 * a2 + a1 * a2**2 + a1 * a2**3]
   np.testing.assert_allclose(tuner.expected_tokens(state), want)
   # Later observations move the estimate by the weight of each reaching row: 1 / (carry + n) for the n-th
   # of the batch, never less than alpha.
@@ -207,8 +229,10 @@ def test_tuner_takes_injected_costs():
   np.testing.assert_allclose(by_live.step_times(state, 4), [12.0, 20.0])
   # The same trace and costs choose the same depths whatever the recorded times.
   trace = bernoulli_trace(0.8, rows=2, length=200, seed=7)
-  runs = [simulate(Tuner((2, 4, 8), costs={1: 1.0, 9: 2.5}), trace, cost=cost).ks
-          for cost in (CHEAP_VERIFY, lambda k, live: 10.0 * k)]
+  runs = [
+      simulate(Tuner((2, 4, 8), costs={1: 1.0, 9: 2.5}), trace, cost=cost).ks
+      for cost in (CHEAP_VERIFY, lambda k, live: 10.0 * k)
+  ]
   assert runs[0] == runs[1]
   assert make_policy('tuner', family='ngram', costs={1: 1.0}).costs == CostTable(((1, 1.0),))
   for bad, match in [({}, 'cost table'), ({0: 1.0}, 'cost table'), ({1: 0.0}, 'cost table'), ([1.0], 'costs must')]:
@@ -261,15 +285,14 @@ def test_tuner_converges_to_the_best_depth(p, best):
   sim = simulate(tuner, trace, cost=CHEAP_VERIFY)
   oracle, rates = oracle_best_fixed(trace, tuner.candidates, cost=CHEAP_VERIFY)
   assert oracle == best
-  assert mode(sim.ks[len(sim.ks) // 4:]) == best
+  assert mode(sim.ks[len(sim.ks) // 4 :]) == best
   assert set(sim.ks) <= set(tuner.candidates)
   assert regret(sim.tokens_per_s, rates[oracle]) < 0.05
 
 
 def test_tuner_moves_when_acceptance_shifts():
   p = np.r_[np.full(300, 0.9), np.full(300, 0.2)]  # easy text, then hard
-  sim = simulate(Tuner(candidates_for('ngram')), bernoulli_trace(p, rows=4, length=600, seed=2),
-                 cost=CHEAP_VERIFY)
+  sim = simulate(Tuner(candidates_for('ngram')), bernoulli_trace(p, rows=4, length=600, seed=2), cost=CHEAP_VERIFY)
   pos = np.cumsum([0] + [a + 1 for a in sim.accepted[0][:-1]])  # row 0's position before each step
   easy = [k for k, at in zip(sim.ks, pos) if 20 < at < 280]
   hard = [k for k, at in zip(sim.ks, pos) if at > 400]
@@ -287,7 +310,8 @@ def test_tuner_forgets_deep_positions_it_stops_reaching():
     return sum(k == 8 for k, at in zip(sim.ks, pos) if 200 <= at < 260)
 
   aging, frozen = deep_steps_after_shift(Tuner(candidates_for('ngram'))), deep_steps_after_shift(
-      Tuner(candidates_for('ngram'), stale_rate=0.0))
+      Tuner(candidates_for('ngram'), stale_rate=0.0)
+  )
   assert aging < frozen
 
 
@@ -356,8 +380,10 @@ def test_simulation_is_deterministic():
   trace = bernoulli_trace(np.linspace(0.9, 0.2, 500), rows=3, length=500, seed=4)
   a, b = (simulate(Tuner((2, 3, 4, 6)), trace, cost=CHEAP_VERIFY) for _ in range(2))
   assert a == b
-  assert bernoulli_trace(0.5, rows=2, length=50, seed=9).outcomes[1].tolist() == \
+  assert (
       bernoulli_trace(0.5, rows=2, length=50, seed=9).outcomes[1].tolist()
+      == bernoulli_trace(0.5, rows=2, length=50, seed=9).outcomes[1].tolist()
+  )
 
 
 # ---------------------------------------------------------------- replay model
@@ -385,7 +411,7 @@ def test_static_batches_restart_the_policy():
   assert max(sim.live) == 2 and sim.tokens == 150
   assert sim.ks[:2] == [4, 2]  # the first batch warms up ...
   second = next(t for t in range(1, len(sim.live)) if sim.live[t] > sim.live[t - 1])
-  assert sim.ks[second:second + 2] == [4, 2]  # ... and so does the next one
+  assert sim.ks[second : second + 2] == [4, 2]  # ... and so does the next one
   with pytest.raises(SpecjaxError, match='batch'):
     simulate(Fixed(2), trace, batch=0, cost=CHEAP_VERIFY)
 
@@ -434,6 +460,7 @@ def test_tuner_near_oracle_with_misses(p_miss):
 
 def test_replay_reproduces_a_recorded_run(tiny_model):
   import specjax
+
   engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter())
   prompts = ['def add(a, b):\n    return a + b\n\ndef add(a, b):\n', 'The cat sat on the mat. The cat', 'Hello']
   for policy in (Fixed(4), Tuner((2, 4), explore_every=4, costs=CPU_WIDTHS)):
@@ -455,14 +482,15 @@ def test_replay_reproduces_a_recorded_run(tiny_model):
 
 def test_policy_state_carries_across_requests(tiny_model):
   import specjax
+
   engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter())
   tuner = Tuner((2, 4, 6, 8), explore_every=0, costs=STEEP_WIDTHS)
   prompt = ['The cat sat on the mat. The cat sat on the mat. The cat']
   _, first = engine.generate(prompt, max_new_tokens=16, num_draft=tuner)
   ks = [k for k, _, _ in first.steps]
-  warmup = ks[:ks.index(2) + 1]
+  warmup = ks[: ks.index(2) + 1]
   assert warmup[0] == 8 and warmup == sorted(warmup, reverse=True) and set(warmup) == {2, 4, 6, 8}  # deepest first
-  assert set(ks[len(warmup):]) <= {2}  # then the cheapest by the injected costs
+  assert set(ks[len(warmup) :]) <= {2}  # then the cheapest by the injected costs
   # The cost model learned the injected costs, not the wall times: widths 3, 5, 7, 9 priced by the table.
   np.testing.assert_allclose(tuner.step_times(first.policy_state, 1), [tuner.costs(w, 1) for w in (3, 5, 7, 9)])
   _, second = engine.generate(prompt, max_new_tokens=16, num_draft=tuner, policy_state=first.policy_state)

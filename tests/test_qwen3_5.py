@@ -24,7 +24,7 @@ def run_model(model, ids, chunks, num_slots=1, **kw):
   module = model.module()
   logits, hiddens, start = [], [], 0
   for n in chunks:
-    hidden, cache = module(jnp.asarray(ids[:, start:start + n]), cache, jnp.full((b,), n, jnp.int32))
+    hidden, cache = module(jnp.asarray(ids[:, start : start + n]), cache, jnp.full((b,), n, jnp.int32))
     logits.append(np.asarray(module.logits(hidden)))
     hiddens.append(np.asarray(hidden))
     start += n
@@ -70,8 +70,12 @@ def test_mtp_head_matches_reference(qwen):
   ids = ref['input_ids']
   b, t = ids.shape
   module = model.module()
-  mtp_cache = KVCache.create(model.kv_shapes[:1], num_pages=b * 4 + 1, page_size=4,
-                             block_tables=np.arange(1, b * 4 + 1, dtype=np.int32).reshape(b, 4))
+  mtp_cache = KVCache.create(
+      model.kv_shapes[:1],
+      num_pages=b * 4 + 1,
+      page_size=4,
+      block_tables=np.arange(1, b * 4 + 1, dtype=np.int32).reshape(b, 4),
+  )
   embeds = module.embed(jnp.asarray(ids[:, 1:]))
   head = nnx.merge(*model.heads['mtp'])
   lens = jnp.full((b,), t - 1, jnp.int32)
@@ -107,6 +111,7 @@ def test_config_errors(tmp_path):
 def test_mtp_bad_input(tmp_path):
   # A checkpoint without mtp.* weights: the error comes before any weight is read.
   from safetensors.numpy import load_file, save_file
+
   d = tmp_path / 'no_mtp'
   shutil.copytree(f'{FIXTURES}/tiny_qwen3_5', d)
   tensors = {k: v for k, v in load_file(d / 'model.safetensors').items() if not k.startswith('mtp.')}
@@ -130,14 +135,24 @@ def test_moe_gathered_experts_equal_dense():
 def test_multimodal_wrapper_names(tmp_path):
   """Hub Qwen3.5 checkpoints: config under text_config, weights under model.language_model.*, a vision tower."""
   from safetensors.numpy import load_file, save_file
+
   d = tmp_path / 'wrapped'
   shutil.copytree(f'{FIXTURES}/tiny_qwen3_5', d)
   text = json.loads((d / 'config.json').read_text())
-  (d / 'config.json').write_text(json.dumps({'model_type': 'qwen3_5', 'architectures': ['Qwen3_5ForConditionalGeneration'],
-                                             'text_config': text, 'vision_config': {'depth': 1}}))
+  (d / 'config.json').write_text(
+      json.dumps(
+          {
+              'model_type': 'qwen3_5',
+              'architectures': ['Qwen3_5ForConditionalGeneration'],
+              'text_config': text,
+              'vision_config': {'depth': 1},
+          }
+      )
+  )
   tensors = load_file(d / 'model.safetensors')
-  tensors = {('model.language_model.' + k[len('model.'):] if k.startswith('model.') else k): v
-             for k, v in tensors.items()}
+  tensors = {
+      ('model.language_model.' + k[len('model.') :] if k.startswith('model.') else k): v for k, v in tensors.items()
+  }
   tensors['model.visual.patch_embed.weight'] = np.zeros((2, 2), np.float32)
   save_file(tensors, d / 'model.safetensors')
   ref = np.load(f'{FIXTURES}/tiny_qwen3_5_reference.npz')

@@ -16,6 +16,7 @@ REFERENCE = json.load(open(f'{FIXTURES}/gemma3_270m_reference.json'))
 @pytest.fixture(scope='module')
 def real_engine():
   import specjax
+
   return specjax.Engine(specjax.load('gemma-3-270m'))
 
 
@@ -30,6 +31,7 @@ def test_greedy_continuations_equal_reference(real_engine):
 def test_last_logits_close_to_reference(real_engine):
   import jax.numpy as jnp
   from specjax.cache.paged import KVCache, PageAllocator
+
   model = real_engine.model
   module = model.module()
   for row in REFERENCE['logits']:
@@ -46,8 +48,23 @@ def test_last_logits_close_to_reference(real_engine):
 
 def test_cli_json_on_real_model():
   proc = subprocess.run(
-      [sys.executable, '-m', 'specjax.cli', 'generate', '-m', 'gemma-3-270m', '--prompt', 'The capital of France is',
-       '--max-new-tokens', '8', '--json'], capture_output=True, text=True, timeout=600)
+      [
+          sys.executable,
+          '-m',
+          'specjax.cli',
+          'generate',
+          '-m',
+          'gemma-3-270m',
+          '--prompt',
+          'The capital of France is',
+          '--max-new-tokens',
+          '8',
+          '--json',
+      ],
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr
   out = json.loads(proc.stdout)
   assert out['text'].startswith(' the capital of the country of France')
@@ -58,6 +75,7 @@ def test_cli_json_on_real_model():
 def test_speculative_greedy_equals_reference(real_engine, kind, k):
   import specjax
   from specjax.drafters import make_drafter
+
   rows = REFERENCE['greedy'][:3]
   drafter = make_drafter(kind, real_engine.model, **({'layers': 6} if kind == 'layer-skip' else {}))
   engine = specjax.Engine(real_engine.model, drafter=drafter, max_draft=k)

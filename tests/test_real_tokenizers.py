@@ -91,10 +91,10 @@ def _proto_fields(buf: bytes):
       value, pos = _varint(buf, pos)
     elif wire in (1, 5):
       size = 8 if wire == 1 else 4
-      value, pos = buf[pos:pos + size], pos + size
+      value, pos = buf[pos : pos + size], pos + size
     elif wire == 2:
       size, pos = _varint(buf, pos)
-      value, pos = buf[pos:pos + size], pos + size
+      value, pos = buf[pos : pos + size], pos + size
     else:
       raise ValueError(f'unsupported protobuf wire type {wire}')
     yield key >> 3, value
@@ -116,10 +116,14 @@ def read_sentencepiece_model(path: pathlib.Path) -> dict:
     elif number == 3:
       normalizer |= dict(_proto_fields(value))
   return {
-      'pieces': pieces, 'scores': scores, 'types': types,
+      'pieces': pieces,
+      'scores': scores,
+      'types': types,
       'model_type': {1: 'UNIGRAM', 2: 'BPE', 3: 'WORD', 4: 'CHAR'}[trainer[3]],
       'byte_fallback': bool(trainer[35]),
-      'unk_id': trainer[40], 'bos_id': trainer[41], 'eos_id': trainer[42],
+      'unk_id': trainer[40],
+      'bos_id': trainer[41],
+      'eos_id': trainer[42],
       'add_dummy_prefix': bool(normalizer[3]),
       'remove_extra_whitespaces': bool(normalizer[4]),
       'normalizer': normalizer[1].decode('utf-8'),

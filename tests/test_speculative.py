@@ -79,7 +79,9 @@ def test_ngram_drafts_ahead_equal_in_step_lookup(tiny_model):
   for ahead in (True, False):
     engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter(drafts_ahead=ahead))
     results, _ = engine.generate(PROMPTS, max_new_tokens=30, sampling=params, num_draft=6)
-    runs.append(([r.tokens for r in results], [(r.spec.drafted, r.spec.accepted, r.spec.target_steps) for r in results]))
+    runs.append(
+        ([r.tokens for r in results], [(r.spec.drafted, r.spec.accepted, r.spec.target_steps) for r in results])
+    )
     compiled.append(sorted(static['k'] for name, static in engine.executables.names('spec')))
   assert runs[0] == runs[1]
   assert compiled == [[0, 1, 3, 6], [6]]  # one executable per verify width of K = 6, or K + 1 always
@@ -94,7 +96,9 @@ def test_step_depth_rounds_up_to_a_verify_width():
 def committed_kv(cache: KVCache, row: int, length: int, layer: int):
   """K and V of the first `length` positions of a row, `[Hkv, length, D]` each."""
   pages = np.asarray(cache.block_tables[row])
-  k = np.asarray(cache.k_pages[layer])[:, pages].reshape(cache.k_pages[layer].shape[0], -1, cache.k_pages[layer].shape[-1])
+  k = np.asarray(cache.k_pages[layer])[:, pages].reshape(
+      cache.k_pages[layer].shape[0], -1, cache.k_pages[layer].shape[-1]
+  )
   v = np.asarray(cache.v_pages[layer])[:, pages].reshape(k.shape)
   return k[:, :length], v[:, :length]
 
@@ -104,8 +108,9 @@ def fresh_prefill(model, tokens, page_size=4):
   pages = -(-len(tokens) // page_size) + 1
   alloc = PageAllocator(pages + 1, page_size)
   alloc.allocate(0, len(tokens))
-  cache = KVCache.create(model.kv_shapes, num_pages=pages + 1, page_size=page_size,
-                         block_tables=alloc.block_table([0], pages))
+  cache = KVCache.create(
+      model.kv_shapes, num_pages=pages + 1, page_size=page_size, block_tables=alloc.block_table([0], pages)
+  )
   _, cache = model.module()(jnp.asarray([tokens]), cache, jnp.asarray([len(tokens)], jnp.int32))
   return cache
 
@@ -127,7 +132,7 @@ def test_rollback_equals_recompute(kind, tiny_model, draft_model):
   lengths = np.asarray(state.cache.lengths)
   buffer = np.asarray(state.tokens)
   for row in range(2):
-    committed = buffer[row, :lengths[row]].tolist()  # every token but the newest
+    committed = buffer[row, : lengths[row]].tolist()  # every token but the newest
     fresh = fresh_prefill(tiny_model, committed)
     for layer in range(tiny_model.config.num_layers):
       got, want = committed_kv(state.cache, row, lengths[row], layer), committed_kv(fresh, 0, lengths[row], layer)
@@ -149,6 +154,7 @@ def modified_checkpoint(tmp_path, edit_config=None, edit_tokenizer=None, vocab=N
   shutil.copytree(TINY_SHARDED, path)
   if vocab:
     from safetensors.numpy import load_file, save_file
+
     for f in os.listdir(path):
       if f.endswith('.safetensors'):
         t = load_file(path / f)
@@ -176,6 +182,7 @@ def test_mismatched_tokenizer_is_refused(tmp_path, tiny_model):
     vocab = tok['model']['vocab']
     a, b = sorted(vocab, key=vocab.get)[200:202]
     vocab[a], vocab[b] = vocab[b], vocab[a]
+
   other = specjax.load(modified_checkpoint(tmp_path, edit_tokenizer=swap_two_tokens))
   with pytest.raises(SpecjaxError, match='tokenizer'):
     make_drafter('draft-model', tiny_model, draft_model=other)
@@ -208,7 +215,8 @@ def test_profiled_step_reports_draft_and_verify_time(tiny_model, draft_model, gr
     assert r.spec.draft_s > 0 and r.spec.verify_s > 0
   params = specjax.SamplingParams(temperature=1.0, seed=2)
   fused = specjax.Engine(tiny_model, page_size=4, drafter=drafter).generate(
-      PROMPTS, max_new_tokens=20, num_draft=3, sampling=params)[0]
+      PROMPTS, max_new_tokens=20, num_draft=3, sampling=params
+  )[0]
   split = engine.generate(PROMPTS, max_new_tokens=20, num_draft=3, sampling=params)[0]
   assert [r.tokens for r in split] == [r.tokens for r in fused]
 
@@ -217,6 +225,7 @@ def test_profiled_step_reports_draft_and_verify_time(tiny_model, draft_model, gr
 def test_bench_calibration_compiles_once(kind, tiny_model, draft_model):
   """`bench.calibrate` times AOT executables cached on the engine, as the steps run."""
   from specjax.bench import calibrate
+
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make(kind, tiny_model, draft_model))
   prompt = engine.encode([PROMPTS[0]])[0]
   costs = calibrate(engine, prompt, 3)

@@ -39,8 +39,8 @@ def two_sample_pvalue(a, b):
   """Chi-square homogeneity test of two samples of categories (rare ones pooled)."""
   cats, inv = np.unique(np.concatenate([a, b]), return_inverse=True)
   counts = np.zeros((2, len(cats)))
-  np.add.at(counts[0], inv[:len(a)], 1)
-  np.add.at(counts[1], inv[len(a):], 1)
+  np.add.at(counts[0], inv[: len(a)], 1)
+  np.add.at(counts[1], inv[len(a) :], 1)
   order = np.argsort(-counts.sum(0))
   counts = counts[:, order]
   keep = counts.sum(0) >= 10
@@ -62,8 +62,13 @@ def second_token_law(model, params):
     alloc = PageAllocator(b * pages + 1, 4)
     for i in range(b):
       alloc.allocate(i, t)
-    cache = KVCache.create(model.kv_shapes, num_pages=b * pages + 1, page_size=4,
-                           block_tables=alloc.block_table(list(range(b)), pages), state_shapes=model.state_shapes)
+    cache = KVCache.create(
+        model.kv_shapes,
+        num_pages=b * pages + 1,
+        page_size=4,
+        block_tables=alloc.block_table(list(range(b)), pages),
+        state_shapes=model.state_shapes,
+    )
     hidden, _ = module(jnp.asarray(batch_ids), cache, jnp.full((b,), t, jnp.int32))
     return np.asarray(sampling_lib.probs(module.logits(hidden[:, -1]), params))
 
@@ -99,7 +104,9 @@ def plain_engine(tiny_model):
 def test_speculative_matches_plain_sampling(kind, setting, tiny_model, plain_engine):
   params = SETTINGS[setting]
   draft = perturbed_target(0.015) if kind == 'draft-model' else None  # q overlaps p partly
-  engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter(kind, tiny_model, **drafter_options(kind, draft_model=draft)))
+  engine = specjax.Engine(
+      tiny_model, page_size=4, drafter=make_drafter(kind, tiny_model, **drafter_options(kind, draft_model=draft))
+  )
   spec = samples(engine, params, seed=1, num_draft=3)
   plain = samples(plain_engine, params, seed=2)
   for position in range(1, 4):  # position 0 comes from prefill in both

@@ -18,8 +18,13 @@ PROMPTS = [
     {'question_id': 3, 'category': 'free', 'turns': ['Hello world']},
     {'question_id': 4, 'category': 'free', 'turns': ['red green blue']},
 ]
-PLOTS = ('tau_vs_k.png', 'speedup_vs_k.png', 'position_acceptance.png', 'predicted_vs_measured.png',
-         'policy_trajectories.png')
+PLOTS = (
+    'tau_vs_k.png',
+    'speedup_vs_k.png',
+    'position_acceptance.png',
+    'predicted_vs_measured.png',
+    'policy_trajectories.png',
+)
 
 
 @pytest.fixture(scope='module')
@@ -64,8 +69,10 @@ def test_grid_expands_to_cells_with_stable_ids():
 
 
 def test_overrides_set_values_pin_axes_and_add_axes():
-  sweep = resolve(TINY_CONFIG, ['max_new_tokens=5', 'drafter.kind=ngram', 'grid.sampling.temperature=[0.0, 0.7]',
-                                'prompts.categories=["qa"]'])
+  sweep = resolve(
+      TINY_CONFIG,
+      ['max_new_tokens=5', 'drafter.kind=ngram', 'grid.sampling.temperature=[0.0, 0.7]', 'prompts.categories=["qa"]'],
+  )
   cells = expand(sweep)
   assert 'drafter.kind' not in sweep.axes
   assert len(cells) == 6  # 3 policies x 2 temperatures
@@ -82,14 +89,17 @@ def test_category_axis_and_partial_config():
   assert len(expand(resolve({'max_new_tokens': 8}))) == 1  # a partial dict keeps the defaults, no grid: one cell
 
 
-@pytest.mark.parametrize('overrides,message', [
-    (['policy.kk=3'], "unknown config key 'policy.kk'"),
-    (['grid.policy.k=[]'], "grid axis 'policy.k' has no values"),
-    (['grid.policy.k=4'], 'must be a list'),
-    (['grid.nothing=[1]'], "unknown grid axis 'nothing'"),
-    (['max_new_tokens="many"'], "'max_new_tokens' must be int"),
-    (['policy.k'], 'is not key=value'),
-])
+@pytest.mark.parametrize(
+    'overrides,message',
+    [
+        (['policy.kk=3'], "unknown config key 'policy.kk'"),
+        (['grid.policy.k=[]'], "grid axis 'policy.k' has no values"),
+        (['grid.policy.k=4'], 'must be a list'),
+        (['grid.nothing=[1]'], "unknown grid axis 'nothing'"),
+        (['max_new_tokens="many"'], "'max_new_tokens' must be int"),
+        (['policy.k'], 'is not key=value'),
+    ],
+)
 def test_bad_overrides(overrides, message):
   with pytest.raises(SpecjaxError, match=message):
     resolve(TINY_CONFIG, overrides)
@@ -97,23 +107,28 @@ def test_bad_overrides(overrides, message):
 
 def test_unknown_key_in_config_file(tmp_path):
   path = tmp_path / 'typo.py'
-  path.write_text('import ml_collections\n'
-                  'def get_config():\n'
-                  '  return ml_collections.ConfigDict({"drafter": {"kind": "ngram", "ngram_mx": 3}})\n')
+  path.write_text(
+      'import ml_collections\n'
+      'def get_config():\n'
+      '  return ml_collections.ConfigDict({"drafter": {"kind": "ngram", "ngram_mx": 3}})\n'
+  )
   with pytest.raises(SpecjaxError, match="unknown config key 'drafter.ngram_mx'"):
     resolve(str(path))
   with pytest.raises(SpecjaxError, match='does not exist'):
     resolve(str(tmp_path / 'missing.py'))
 
 
-@pytest.mark.parametrize('overrides,message', [
-    (['policy.name="tuner"', 'policy.candidates=[2, 32]'], 'outside the drafter'),
-    (['policy.k=17'], 'outside the drafter'),
-    (['policy.name="greedy"'], "unknown policy 'greedy'"),
-    (['drafter.kind="medusa"'], "unknown drafter 'medusa'"),
-    (['prompts.categories=["poetry"]'], 'unknown categories'),
-    (['drafter.layers=6'], 'layer-skip needs 1 <= layers < 6'),
-])
+@pytest.mark.parametrize(
+    'overrides,message',
+    [
+        (['policy.name="tuner"', 'policy.candidates=[2, 32]'], 'outside the drafter'),
+        (['policy.k=17'], 'outside the drafter'),
+        (['policy.name="greedy"'], "unknown policy 'greedy'"),
+        (['drafter.kind="medusa"'], "unknown drafter 'medusa'"),
+        (['prompts.categories=["poetry"]'], 'unknown categories'),
+        (['drafter.layers=6'], 'layer-skip needs 1 <= layers < 6'),
+    ],
+)
 def test_bad_cells_fail_before_any_work(tmp_path, prompt_file, overrides, message):
   out = tmp_path / 'out'
   with pytest.raises(SpecjaxError, match=message):
@@ -129,6 +144,7 @@ def test_forced_policy_env_is_refused(tmp_path, prompt_file, monkeypatch):
 
 def test_acceptance_fit_and_prediction():
   from specjax.sweep import analytics
+
   steps = [(4, 4)] * 3 + [(4, 1)] * 2 + [(2, 0)] * 5  # (K, accepted)
   fit = analytics.fit_acceptance(steps)
   assert fit['alpha'] == pytest.approx(14 / 21)  # accepted / (accepted + steps that stopped short of K)
@@ -158,8 +174,12 @@ def test_sweep_writes_every_artifact(tiny_run):
     assert all(0 <= a <= k for a, k in zip(r['accepted_per_step'], r['k_per_step']))
     assert len(r['position_acceptance']) >= max(r['k_per_step']) and r['decode_s'] > 0
   summary = open(os.path.join(out, artifacts.SUMMARY)).read()
-  for heading in ('## copy — ngram(1..3)', '## free — layer-skip(2)', 'Policies against the oracle best fixed K',
-                  '| tuner{2,4} |'):
+  for heading in (
+      '## copy — ngram(1..3)',
+      '## free — layer-skip(2)',
+      'Policies against the oracle best fixed K',
+      '| tuner{2,4} |',
+  ):
     assert heading in summary
   assert 'Greedy speculative tokens equal autoregressive tokens on every request: True' in summary
   for name in PLOTS:
@@ -176,8 +196,10 @@ def test_same_config_same_tokens_and_cli(tiny_run, prompt_file, tmp_path, capsys
   assert code == 0, captured.err
   assert '6 cells run' in captured.out
   assert tokens_by_request(again) == tokens_by_request(out)
-  assert json.load(open(os.path.join(again, artifacts.MANIFEST)))['config_hash'] == \
-      json.load(open(os.path.join(out, artifacts.MANIFEST)))['config_hash']
+  assert (
+      json.load(open(os.path.join(again, artifacts.MANIFEST)))['config_hash']
+      == json.load(open(os.path.join(out, artifacts.MANIFEST)))['config_hash']
+  )
 
 
 def test_resume_skips_finished_cells(tiny_run, prompt_file, tmp_path):
@@ -194,7 +216,7 @@ def test_resume_skips_finished_cells(tiny_run, prompt_file, tmp_path):
   lines = (out / artifacts.RESULTS).read_text().splitlines(keepends=True)
   last = max(i for i, line in enumerate(lines) if json.loads(line)['type'] == 'cell')
   cut = json.loads(lines[last])['cell']
-  (out / artifacts.RESULTS).write_text(''.join(lines[:last] + lines[last + 1:]) + '{"type": "requ')
+  (out / artifacts.RESULTS).write_text(''.join(lines[:last] + lines[last + 1 :]) + '{"type": "requ')
   report = run_sweep(TINY_CONFIG, str(out), tiny_overrides(prompt_file), progress=False)
   assert report['cells_run'] == 1 and report['cells_skipped'] == 5
   rows = records(str(out), 'request')
@@ -224,9 +246,17 @@ def test_cli_bad_input_is_one_error_line(tiny_run, prompt_file, capsys):
 
 
 def test_sampled_sweep_is_deterministic(prompt_file, tmp_path):
-  overrides = tiny_overrides(prompt_file, 'sampling.temperature=0.8', 'sampling.top_k=20', 'sampling.seed=3',
-                             'grid.drafter.kind=["ngram"]', 'grid.policy=[{"name": "fixed", "k": 3}]',
-                             'prompts.categories=["copy"]', 'interleave=True', 'repeats=2')
+  overrides = tiny_overrides(
+      prompt_file,
+      'sampling.temperature=0.8',
+      'sampling.top_k=20',
+      'sampling.seed=3',
+      'grid.drafter.kind=["ngram"]',
+      'grid.policy=[{"name": "fixed", "k": 3}]',
+      'prompts.categories=["copy"]',
+      'interleave=True',
+      'repeats=2',
+  )
   overrides.append('trace=True')
   a = run_sweep(TINY_CONFIG, str(tmp_path / 'a'), overrides, progress=False, make_plots=False)
   b = run_sweep(TINY_CONFIG, str(tmp_path / 'b'), overrides, progress=False, make_plots=False)
@@ -245,8 +275,12 @@ def test_hybrid_mtp_config(prompt_file, tmp_path):
   """configs/hybrid_mtp_tiny.py: the built-in MTP drafter and n-gram on a hybrid target, from a config."""
   config = os.path.join(ROOT, 'configs', 'hybrid_mtp_tiny.py')
   out = str(tmp_path / 'mtp')
-  report = run_sweep(config, out, tiny_overrides(prompt_file, 'grid.policy=[{"name": "fixed", "k": 3}, '
-                                                 '{"name": "tuner"}]'), progress=False)
+  report = run_sweep(
+      config,
+      out,
+      tiny_overrides(prompt_file, 'grid.policy=[{"name": "fixed", "k": 3}, ' '{"name": "tuner"}]'),
+      progress=False,
+  )
   assert report['cells_run'] == 4 and report['analysis']['greedy_equal'] is True
   cells = {c['cell']: c for c in records(out, 'cell')}
   mtp = [r for r in records(out, 'request') if cells[r['cell']]['drafter'] == 'mtp']

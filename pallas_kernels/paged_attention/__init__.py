@@ -7,10 +7,17 @@ from pallas_kernels.paged_attention.reference import check_inputs
 from pallas_kernels.paged_attention.reference import MASK_VALUE
 from pallas_kernels.paged_attention.reference import ref_paged_attention
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ('auto', 'xla', 'pallas')
 
-__all__ = ["IMPLS", "MASK_VALUE", "check_inputs", "check_lengths",
-           "paged_attention", "ref_paged_attention", "select_impl"]
+__all__ = [
+    'IMPLS',
+    'MASK_VALUE',
+    'check_inputs',
+    'check_lengths',
+    'paged_attention',
+    'ref_paged_attention',
+    'select_impl',
+]
 
 
 def _concrete(x: jax.Array | None) -> np.ndarray | None:
@@ -39,31 +46,29 @@ def check_lengths(
   if (lengths_np < 0).any() or (lengths_np > capacity).any():
     b = int(np.argmax((lengths_np < 0) | (lengths_np > capacity)))
     raise ValueError(
-        f"lengths[{b}]={int(lengths_np[b])} does not fit its block table: "
-        f"{block_tables.shape[1]} pages of {page_size} hold {capacity} keys")
+        f'lengths[{b}]={int(lengths_np[b])} does not fit its block table: '
+        f'{block_tables.shape[1]} pages of {page_size} hold {capacity} keys'
+    )
   query_lens_np = _concrete(query_lens)
   if query_lens_np is not None:
-    bad = (query_lens_np < 0) | (query_lens_np > n_q) | (
-        query_lens_np > lengths_np)
+    bad = (query_lens_np < 0) | (query_lens_np > n_q) | (query_lens_np > lengths_np)
     if bad.any():
       b = int(np.argmax(bad))
       raise ValueError(
-          f"query_lens[{b}]={int(query_lens_np[b])} must be in [0, "
-          f"min(Q={n_q}, lengths[{b}]={int(lengths_np[b])})]")
+          f'query_lens[{b}]={int(query_lens_np[b])} must be in [0, ' f'min(Q={n_q}, lengths[{b}]={int(lengths_np[b])})]'
+      )
   tables_np = _concrete(block_tables)
   if tables_np is not None:
     used = np.arange(tables_np.shape[1]) < -(-lengths_np[:, None] // page_size)
     bad = used & ((tables_np < 0) | (tables_np >= n_pages))
     if bad.any():
       b, col = map(int, np.argwhere(bad)[0])
-      raise ValueError(f"block_tables[{b}, {col}]={int(tables_np[b, col])} "
-                       f"is not a page id in [0, {n_pages})")
+      raise ValueError(f'block_tables[{b}, {col}]={int(tables_np[b, col])} ' f'is not a page id in [0, {n_pages})')
 
 
 def check_impl(impl: str) -> None:
   if impl not in IMPLS:
-    raise ValueError(f"unknown paged attention impl {impl!r}; expected one "
-                     f"of {IMPLS}")
+    raise ValueError(f'unknown paged attention impl {impl!r}; expected one ' f'of {IMPLS}')
 
 
 # The Triton kernel matches the reference on an H200 (compiled; the engine gives
@@ -74,28 +79,30 @@ def check_impl(impl: str) -> None:
 AUTO_PICKS_PALLAS = False
 
 
-def select_impl(impl: str, head_dim: int, page_size: int,
-                interpret: bool = False) -> str:
-  """"xla" or "pallas" for a requested impl; raises if "pallas" can't run."""
+def select_impl(impl: str, head_dim: int, page_size: int, interpret: bool = False) -> str:
+  """ "xla" or "pallas" for a requested impl; raises if "pallas" can't run."""
   check_impl(impl)
-  if impl == "xla":
-    return "xla"
-  on_gpu = jax.default_backend() == "gpu"
-  if impl == "auto" and not (on_gpu and AUTO_PICKS_PALLAS):
-    return "xla"
+  if impl == 'xla':
+    return 'xla'
+  on_gpu = jax.default_backend() == 'gpu'
+  if impl == 'auto' and not (on_gpu and AUTO_PICKS_PALLAS):
+    return 'xla'
   from pallas_kernels.paged_attention import triton_kernel  # pylint: disable=g-import-not-at-top
+
   reason = triton_kernel.unsupported_reason(head_dim, page_size)
-  if impl == "auto":
-    return "xla" if reason else "pallas"
+  if impl == 'auto':
+    return 'xla' if reason else 'pallas'
   if not (on_gpu or interpret):
     raise ValueError(
         f"impl='pallas' needs a GPU (the default backend is "
-        f"{jax.default_backend()!r}); pass interpret=True to run the kernel "
-        f"in Pallas interpret mode, or use impl='xla' or 'auto'")
+        f'{jax.default_backend()!r}); pass interpret=True to run the kernel '
+        f"in Pallas interpret mode, or use impl='xla' or 'auto'"
+    )
   if reason:
-    raise ValueError(f"impl='pallas': the Triton kernel can't take these "
-                     f"shapes: {reason}; use impl='xla' or 'auto'")
-  return "pallas"
+    raise ValueError(
+        f"impl='pallas': the Triton kernel can't take these " f"shapes: {reason}; use impl='xla' or 'auto'"
+    )
+  return 'pallas'
 
 
 def paged_attention(
@@ -110,7 +117,7 @@ def paged_attention(
     logit_softcap: float | None = None,
     scale: float | None = None,
     mask: jax.Array | None = None,  # [B, Q, Q] bool
-    impl: str = "auto",
+    impl: str = 'auto',
     interpret: bool = False,
 ) -> jax.Array:  # [B, Q, H, D]
   """Paged attention; semantics in `reference.py`.
@@ -121,16 +128,14 @@ def paged_attention(
   Pallas interpret mode; it does not make "auto" pick the kernel.
   """
   check_impl(impl)
-  check_inputs(q, k_pages, v_pages, block_tables, lengths, query_lens, mask,
-               sliding_window, logit_softcap)
+  check_inputs(q, k_pages, v_pages, block_tables, lengths, query_lens, mask, sliding_window, logit_softcap)
   impl = select_impl(impl, q.shape[-1], k_pages.shape[2], interpret)
   check_lengths(k_pages, block_tables, lengths, query_lens, q.shape[1])
-  kwargs = dict(query_lens=query_lens, sliding_window=sliding_window,
-                logit_softcap=logit_softcap, scale=scale, mask=mask)
-  if impl == "pallas":
+  kwargs = dict(
+      query_lens=query_lens, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale, mask=mask
+  )
+  if impl == 'pallas':
     from pallas_kernels.paged_attention import triton_kernel  # pylint: disable=g-import-not-at-top
-    return triton_kernel.paged_attention(
-        q, k_pages, v_pages, block_tables, lengths, interpret=interpret,
-        **kwargs)
-  return ref_paged_attention(q, k_pages, v_pages, block_tables, lengths,
-                             **kwargs)
+
+    return triton_kernel.paged_attention(q, k_pages, v_pages, block_tables, lengths, interpret=interpret, **kwargs)
+  return ref_paged_attention(q, k_pages, v_pages, block_tables, lengths, **kwargs)

@@ -48,6 +48,7 @@ DEFAULT_NUM_CORES = 132  # H100 / H200 SMs; used when the device has no count.
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Static tiling of one kernel launch."""
+
   block_rows: int  # packed (query, head) rows per program; power of two
   pages_per_compute_block: int  # pages per online-softmax step; power of two
   k_splits: int  # key splits per sequence, merged after the kernel
@@ -56,13 +57,11 @@ class BlockSizes:
 
   def __post_init__(self):
     if not is_power_of_2(self.block_rows) or self.block_rows < MIN_ROWS:
-      raise ValueError(f"block_rows must be a power of two >= {MIN_ROWS}, "
-                       f"got {self.block_rows}")
+      raise ValueError(f'block_rows must be a power of two >= {MIN_ROWS}, ' f'got {self.block_rows}')
     if not is_power_of_2(self.pages_per_compute_block):
-      raise ValueError(f"pages_per_compute_block must be a power of two, "
-                       f"got {self.pages_per_compute_block}")
+      raise ValueError(f'pages_per_compute_block must be a power of two, ' f'got {self.pages_per_compute_block}')
     if self.k_splits < 1:
-      raise ValueError(f"k_splits must be >= 1, got {self.k_splits}")
+      raise ValueError(f'k_splits must be >= 1, got {self.k_splits}')
 
 
 def next_power_of_2(n: int) -> int:
@@ -108,7 +107,10 @@ def pick_block_sizes(
   programs = batch * n_kv_heads * row_blocks
   wanted = -(-2 * num_cores // programs)
   k_splits = max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
-  return BlockSizes(block_rows=block_rows,
-                    pages_per_compute_block=pages_per_block,
-                    k_splits=k_splits, num_warps=num_warps,
-                    num_stages=num_stages)
+  return BlockSizes(
+      block_rows=block_rows,
+      pages_per_compute_block=pages_per_block,
+      k_splits=k_splits,
+      num_warps=num_warps,
+      num_stages=num_stages,
+  )

@@ -35,41 +35,31 @@ def check_inputs(
 ) -> None:
   """Static (trace-time) shape checks; raises ValueError naming the problem."""
   if q.ndim != 4:
-    raise ValueError(f"q must be [B, Q, H, D], got shape {q.shape}")
+    raise ValueError(f'q must be [B, Q, H, D], got shape {q.shape}')
   if k_pages.ndim != 4:
-    raise ValueError(
-        f"k_pages must be [Hkv, P, page_size, D], got shape {k_pages.shape}")
+    raise ValueError(f'k_pages must be [Hkv, P, page_size, D], got shape {k_pages.shape}')
   if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape "
-                     f"{k_pages.shape}")
+    raise ValueError(f'v_pages shape {v_pages.shape} != k_pages shape ' f'{k_pages.shape}')
   b, n_q, n_heads, head_dim = q.shape
   n_kv_heads = k_pages.shape[0]
   if k_pages.shape[-1] != head_dim:
-    raise ValueError(f"head dim mismatch: q has D={head_dim}, pages have "
-                     f"D={k_pages.shape[-1]}")
+    raise ValueError(f'head dim mismatch: q has D={head_dim}, pages have ' f'D={k_pages.shape[-1]}')
   if n_kv_heads == 0 or n_heads % n_kv_heads:
-    raise ValueError(f"query heads H={n_heads} must be a multiple of KV "
-                     f"heads Hkv={n_kv_heads}")
+    raise ValueError(f'query heads H={n_heads} must be a multiple of KV ' f'heads Hkv={n_kv_heads}')
   if block_tables.ndim != 2 or block_tables.shape[0] != b:
-    raise ValueError(f"block_tables must be [B={b}, pages_per_seq], got "
-                     f"shape {block_tables.shape}")
+    raise ValueError(f'block_tables must be [B={b}, pages_per_seq], got ' f'shape {block_tables.shape}')
   if not jnp.issubdtype(block_tables.dtype, jnp.integer):
-    raise ValueError(f"block_tables must be integer, got {block_tables.dtype}")
+    raise ValueError(f'block_tables must be integer, got {block_tables.dtype}')
   if lengths.shape != (b,):
-    raise ValueError(f"lengths must be [B={b}], got shape {lengths.shape}")
+    raise ValueError(f'lengths must be [B={b}], got shape {lengths.shape}')
   if query_lens is not None and query_lens.shape != (b,):
-    raise ValueError(
-        f"query_lens must be [B={b}], got shape {query_lens.shape}")
+    raise ValueError(f'query_lens must be [B={b}], got shape {query_lens.shape}')
   if mask is not None and mask.shape != (b, n_q, n_q):
-    raise ValueError(f"mask must be [B, Q, Q]={(b, n_q, n_q)}, got shape "
-                     f"{mask.shape}")
-  if sliding_window is not None and (
-      not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1):
-    raise ValueError(
-        f"sliding_window must be a positive int or None, got {sliding_window}")
+    raise ValueError(f'mask must be [B, Q, Q]={(b, n_q, n_q)}, got shape ' f'{mask.shape}')
+  if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1):
+    raise ValueError(f'sliding_window must be a positive int or None, got {sliding_window}')
   if logit_softcap is not None and not logit_softcap > 0:
-    raise ValueError(
-        f"logit_softcap must be positive or None, got {logit_softcap}")
+    raise ValueError(f'logit_softcap must be positive or None, got {logit_softcap}')
 
 
 def tree_depths(mask: jax.Array) -> jax.Array:  # [B, Q, Q] -> [B, Q] int32
@@ -113,8 +103,7 @@ def ref_paged_attention(
     mask: jax.Array | None = None,  # [B, Q, Q] bool, among the new tokens
 ) -> jax.Array:  # [B, Q, H, D]
   """Attention of Q new queries over a paged KV cache (one layer)."""
-  check_inputs(q, k_pages, v_pages, block_tables, lengths, query_lens, mask,
-               sliding_window, logit_softcap)
+  check_inputs(q, k_pages, v_pages, block_tables, lengths, query_lens, mask, sliding_window, logit_softcap)
   b, n_q, n_heads, head_dim = q.shape
   n_kv_heads, _, page_size, _ = k_pages.shape
   group = n_heads // n_kv_heads
@@ -128,48 +117,42 @@ def ref_paged_attention(
   query_lens = query_lens.astype(jnp.int32)
   first_query_pos = lengths - query_lens  # [B]
 
-  page_ids, first_page = _pages_to_gather(block_tables.astype(jnp.int32),
-                                          first_query_pos, page_size, n_q,
-                                          sliding_window)
+  page_ids, first_page = _pages_to_gather(
+      block_tables.astype(jnp.int32), first_query_pos, page_size, n_q, sliding_window
+  )
   n_pages = page_ids.shape[1]
   n_keys = n_pages * page_size
   k = k_pages[:, page_ids].reshape(n_kv_heads, b, n_keys, head_dim)
   v = v_pages[:, page_ids].reshape(n_kv_heads, b, n_keys, head_dim)
 
-  q = (q.astype(jnp.float32) * scale).reshape(b, n_q, n_kv_heads, group,
-                                               head_dim)
-  logits = jnp.einsum("bqkgd,kbsd->bkgqs", q, k,
-                      preferred_element_type=jnp.float32)
+  q = (q.astype(jnp.float32) * scale).reshape(b, n_q, n_kv_heads, group, head_dim)
+  logits = jnp.einsum('bqkgd,kbsd->bkgqs', q, k, preferred_element_type=jnp.float32)
   if logit_softcap is not None:
     logits = logit_softcap * jnp.tanh(logits / logit_softcap)
 
   row = jnp.arange(n_q, dtype=jnp.int32)[None, :, None]  # [1, Q, 1]
   depth = row if mask is None else tree_depths(mask)[:, :, None]
   query_pos = first_query_pos[:, None, None] + depth  # [B, Q, 1]
-  key_pos = (first_page[:, None, None] * page_size +
-             jnp.arange(n_keys, dtype=jnp.int32))  # [B, 1, S]
-  visible = (key_pos < lengths[:, None, None]) & (
-      row < query_lens[:, None, None])
+  key_pos = first_page[:, None, None] * page_size + jnp.arange(n_keys, dtype=jnp.int32)  # [B, 1, S]
+  visible = (key_pos < lengths[:, None, None]) & (row < query_lens[:, None, None])
   if mask is None:
     visible &= key_pos <= query_pos
   else:
     new_index = key_pos - first_query_pos[:, None, None]  # [B, 1, S]
     tree = jnp.take_along_axis(
-        mask.astype(bool), jnp.clip(new_index, 0, n_q - 1).repeat(n_q, 1),
-        axis=2)  # [B, Q, S]: mask[b, i, new_index]
+        mask.astype(bool), jnp.clip(new_index, 0, n_q - 1).repeat(n_q, 1), axis=2
+    )  # [B, Q, S]: mask[b, i, new_index]
     visible &= jnp.where(new_index >= 0, tree, True)
   if sliding_window is not None:
     visible &= query_pos - key_pos < sliding_window
   visible = visible[:, None, None]  # [B, 1, 1, Q, S]
 
   logits = jnp.where(visible, logits, MASK_VALUE)
-  weights = jnp.where(visible,
-                      jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)
+  weights = jnp.where(visible, jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)
   denom = weights.sum(-1)  # [B, Hkv, G, Q]
   # Output [B, Hkv, G, Q, D] keeps V untransposed in XLA:CPU's dot (~6x faster
   # than producing [B, Q, Hkv, G, D] directly); the transpose after is tiny.
-  out = jnp.einsum("bkgqs,kbsd->bkgqd", weights, v,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum('bkgqs,kbsd->bkgqd', weights, v, preferred_element_type=jnp.float32)
   out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
   out = out.transpose(0, 3, 1, 2, 4).reshape(b, n_q, n_heads, head_dim)
   return out.astype(out_dtype)

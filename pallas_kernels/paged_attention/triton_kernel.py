@@ -30,11 +30,10 @@ from pallas_kernels.paged_attention.reference import tree_depths
 # jax >= 0.11 deprecates the Pallas Triton backend: the module warns at import
 # and every Triton pallas_call warns when it is lowered (inside the caller's
 # jit), so the filter has to stay installed, for this one message only.
-TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
-warnings.filterwarnings("ignore", message=TRITON_DEPRECATION,
-                        category=DeprecationWarning)
+TRITON_DEPRECATION = 'The Pallas Triton backend is deprecated'
+warnings.filterwarnings('ignore', message=TRITON_DEPRECATION, category=DeprecationWarning)
 with warnings.catch_warnings():
-  warnings.simplefilter("ignore", DeprecationWarning)
+  warnings.simplefilter('ignore', DeprecationWarning)
   from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
 
 BITS = 32  # Tree-mask columns per int32 word.
@@ -43,9 +42,9 @@ BITS = 32  # Tree-mask columns per int32 word.
 def unsupported_reason(head_dim: int, page_size: int) -> str | None:
   """Why the kernel cannot take these shapes (Triton tiles), or None."""
   if not block_sizes_lib.is_power_of_2(head_dim) or head_dim < 16:
-    return f"head dim must be a power of two >= 16, got {head_dim}"
+    return f'head dim must be a power of two >= 16, got {head_dim}'
   if not block_sizes_lib.is_power_of_2(page_size):
-    return f"page size must be a power of two, got {page_size}"
+    return f'page size must be a power of two, got {page_size}'
   return None
 
 
@@ -100,14 +99,12 @@ def _kernel(
   n_steps_max = block_table_ref.shape[0] // pages_per_block
 
   length, first_pos = seq_ref[0], seq_ref[1]
-  key_lo = 0 if sliding_window is None else jnp.maximum(
-      first_pos - sliding_window + 1, 0)
+  key_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
   # Row blocks past this sequence's query rows read nothing.
   active = row_block * block_rows < (length - first_pos) * group
   key_hi = jnp.where(active, length, key_lo)
   lo = key_lo // block_k
-  hi = jnp.where(key_hi > key_lo,
-                 jnp.minimum(pl.cdiv(key_hi, block_k), n_steps_max), lo)
+  hi = jnp.where(key_hi > key_lo, jnp.minimum(pl.cdiv(key_hi, block_k), n_steps_max), lo)
   per_split = pl.cdiv(hi - lo, k_splits)
   start = lo + split * per_split
   end = jnp.minimum(start + per_split, hi)
@@ -123,22 +120,28 @@ def _kernel(
     k = k_ref[pages].reshape(block_k, head_dim).astype(q.dtype)
     v = v_ref[pages].reshape(block_k, head_dim)
     # HIGHEST: float32 inputs multiply in IEEE f32, not TF32 (no-op for bf16).
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                        precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32) * scale
+    s = (
+        lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
+        * scale
+    )
     if logit_softcap is not None:
       s = logit_softcap * jnp.tanh(s / logit_softcap)
     key_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    visible = _visible(key_pos, row_pos, tree_words, length, first_pos,
-                       sliding_window)
+    visible = _visible(key_pos, row_pos, tree_words, length, first_pos, sliding_window)
     s = jnp.where(visible, s, MASK_VALUE)
     m_next = jnp.maximum(m, s.max(axis=-1))
     p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
     correction = jnp.exp(m - m_next)
     l = l * correction + p.sum(axis=-1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
+    pv = lax.dot_general(
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
     return acc * correction[:, None] + pv, m_next, l
 
   acc = jnp.zeros((block_rows, head_dim), jnp.float32)
@@ -162,11 +165,9 @@ def _tree_words(
 ) -> jax.Array:  # [B, W, rows_pad] int32: bit j of word w = mask[., i, 32w + j]
   b, n_q, _ = mask.shape
   n_words = -(-n_q // BITS)
-  cols = jnp.pad(mask.astype(jnp.uint32),
-                 ((0, 0), (0, 0), (0, n_words * BITS - n_q)))
+  cols = jnp.pad(mask.astype(jnp.uint32), ((0, 0), (0, 0), (0, n_words * BITS - n_q)))
   cols = cols.reshape(b, n_q, n_words, BITS)
-  words = (cols << jnp.arange(BITS, dtype=jnp.uint32)).sum(
-      -1, dtype=jnp.uint32)
+  words = (cols << jnp.arange(BITS, dtype=jnp.uint32)).sum(-1, dtype=jnp.uint32)
   words = lax.bitcast_convert_type(words, jnp.int32)  # [B, Q, W]
   return words[:, query_of_row].transpose(0, 2, 1)
 
@@ -192,18 +193,37 @@ def paged_attention(
   """
   static = lambda x, kind: None if x is None else kind(x)  # Hashable.
   return _paged_attention(
-      q, k_pages, v_pages, block_tables, lengths, query_lens, mask,
+      q,
+      k_pages,
+      v_pages,
+      block_tables,
+      lengths,
+      query_lens,
+      mask,
       sliding_window=static(sliding_window, int),
-      logit_softcap=static(logit_softcap, float), scale=static(scale, float),
-      block_sizes=block_sizes, interpret=bool(interpret))
+      logit_softcap=static(logit_softcap, float),
+      scale=static(scale, float),
+      block_sizes=block_sizes,
+      interpret=bool(interpret),
+  )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sliding_window", "logit_softcap", "scale",
-                              "block_sizes", "interpret"))
-def _paged_attention(q, k_pages, v_pages, block_tables, lengths, query_lens,
-                     mask, *, sliding_window, logit_softcap, scale,
-                     block_sizes, interpret):
+@functools.partial(jax.jit, static_argnames=('sliding_window', 'logit_softcap', 'scale', 'block_sizes', 'interpret'))
+def _paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    query_lens,
+    mask,
+    *,
+    sliding_window,
+    logit_softcap,
+    scale,
+    block_sizes,
+    interpret,
+):
   b, n_q, n_heads, head_dim = q.shape
   n_kv_heads, _, page_size, _ = k_pages.shape
   group = n_heads // n_kv_heads
@@ -214,17 +234,23 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, query_lens,
   if block_sizes is None:
     device = jax.devices()[0]
     block_sizes = block_sizes_lib.pick_block_sizes(
-        n_rows=n_rows, n_q=n_q, page_size=page_size, head_dim=head_dim,
-        pages_per_seq=pages_per_seq, batch=b, n_kv_heads=n_kv_heads,
+        n_rows=n_rows,
+        n_q=n_q,
+        page_size=page_size,
+        head_dim=head_dim,
+        pages_per_seq=pages_per_seq,
+        batch=b,
+        n_kv_heads=n_kv_heads,
         sliding_window=sliding_window,
-        num_cores=getattr(device, "core_count", None)
-        or block_sizes_lib.DEFAULT_NUM_CORES)
+        num_cores=getattr(device, 'core_count', None) or block_sizes_lib.DEFAULT_NUM_CORES,
+    )
   block_rows = block_sizes.block_rows
   pages_per_block = block_sizes.pages_per_compute_block
   if pages_per_block * page_size < block_sizes_lib.MIN_KEYS:
     raise ValueError(
-        f"{pages_per_block} pages of {page_size} per step is fewer than "
-        f"{block_sizes_lib.MIN_KEYS} keys, Triton's smallest dot")
+        f'{pages_per_block} pages of {page_size} per step is fewer than '
+        f"{block_sizes_lib.MIN_KEYS} keys, Triton's smallest dot"
+    )
   k_splits = block_sizes.k_splits
   row_blocks = -(-n_rows // block_rows)
   rows_pad = row_blocks * block_rows
@@ -236,19 +262,18 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, query_lens,
   seq_info = jnp.stack([lengths, first_pos], axis=-1)  # [B, 2]
 
   # Rows (i, g) query-major; the rows past Q * G are padding.
-  q_rows = q.reshape(b, n_q, n_kv_heads, group, head_dim).transpose(
-      0, 2, 1, 3, 4).reshape(b, n_kv_heads, n_rows, head_dim)
+  q_rows = (
+      q.reshape(b, n_q, n_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4).reshape(b, n_kv_heads, n_rows, head_dim)
+  )
   q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_pad - n_rows), (0, 0)))
-  query_of_row = jnp.minimum(jnp.arange(rows_pad, dtype=jnp.int32) // group,
-                             n_q)  # n_q marks padding
+  query_of_row = jnp.minimum(jnp.arange(rows_pad, dtype=jnp.int32) // group, n_q)  # n_q marks padding
   row_real = query_of_row[None, :] < query_lens[:, None]
   row_offset = query_of_row[None, :]
   if mask is not None:  # a tree node sits at first_pos + its depth (see reference.tree_depths)
     row_offset = jnp.take_along_axis(tree_depths(mask), jnp.minimum(row_offset, n_q - 1).repeat(b, 0), axis=1)
   row_pos = jnp.where(row_real, first_pos[:, None] + row_offset, -1)
 
-  tables = jnp.pad(block_tables.astype(jnp.int32),
-                   ((0, 0), (0, -pages_per_seq % pages_per_block)))
+  tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, -pages_per_seq % pages_per_block)))
 
   inputs = [seq_info, row_pos]
   in_specs = [
@@ -260,51 +285,53 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, query_lens,
     words = _tree_words(mask, jnp.minimum(query_of_row, n_q - 1))
     n_words = words.shape[1]
     inputs.append(words)
-    in_specs.append(pl.BlockSpec((None, n_words, block_rows),
-                                 lambda b_, h, s, r: (b_, 0, r)))
-  page_spec = pl.BlockSpec((None, *k_pages.shape[1:]),
-                           lambda b_, h, s, r: (h, 0, 0, 0))
+    in_specs.append(pl.BlockSpec((None, n_words, block_rows), lambda b_, h, s, r: (b_, 0, r)))
+  page_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda b_, h, s, r: (h, 0, 0, 0))
   inputs += [tables, q_rows, k_pages, v_pages]
   in_specs += [
       pl.BlockSpec((None, tables.shape[1]), lambda b_, h, s, r: (b_, 0)),
-      pl.BlockSpec((None, None, block_rows, head_dim),
-                   lambda b_, h, s, r: (b_, h, r, 0)),
+      pl.BlockSpec((None, None, block_rows, head_dim), lambda b_, h, s, r: (b_, h, r, 0)),
       page_spec,
       page_spec,
   ]
 
   if k_splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((b, n_kv_heads, rows_pad, head_dim),
-                                      q.dtype)]
-    out_specs = [pl.BlockSpec((None, None, block_rows, head_dim),
-                              lambda b_, h, s, r: (b_, h, r, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, n_kv_heads, rows_pad, head_dim), q.dtype)]
+    out_specs = [pl.BlockSpec((None, None, block_rows, head_dim), lambda b_, h, s, r: (b_, h, r, 0))]
   else:
     split_rows = (b, n_kv_heads, k_splits, rows_pad)
-    stat_spec = pl.BlockSpec((None, None, None, block_rows),
-                             lambda b_, h, s, r: (b_, h, s, r))
-    out_shape = [jax.ShapeDtypeStruct((*split_rows, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct(split_rows, jnp.float32),
-                 jax.ShapeDtypeStruct(split_rows, jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, block_rows, head_dim),
-                              lambda b_, h, s, r: (b_, h, s, r, 0)),
-                 stat_spec, stat_spec]
+    stat_spec = pl.BlockSpec((None, None, None, block_rows), lambda b_, h, s, r: (b_, h, s, r))
+    out_shape = [
+        jax.ShapeDtypeStruct((*split_rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct(split_rows, jnp.float32),
+        jax.ShapeDtypeStruct(split_rows, jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, block_rows, head_dim), lambda b_, h, s, r: (b_, h, s, r, 0)),
+        stat_spec,
+        stat_spec,
+    ]
 
   kernel = functools.partial(
-      _kernel, group=group, block_rows=block_rows,
-      pages_per_block=pages_per_block, k_splits=k_splits, n_words=n_words,
-      scale=float(scale), sliding_window=sliding_window,
-      logit_softcap=logit_softcap)
+      _kernel,
+      group=group,
+      block_rows=block_rows,
+      pages_per_block=pages_per_block,
+      k_splits=k_splits,
+      n_words=n_words,
+      scale=float(scale),
+      sliding_window=sliding_window,
+      logit_softcap=logit_softcap,
+  )
   outs = pl.pallas_call(
       kernel,
       grid=(b, n_kv_heads, k_splits, row_blocks),
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=pl_triton.CompilerParams(
-          num_warps=block_sizes.num_warps,
-          num_stages=block_sizes.num_stages),
+      compiler_params=pl_triton.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
       interpret=interpret,
-      name=f"paged_attention_rows{block_rows}_pages{pages_per_block}",
+      name=f'paged_attention_rows{block_rows}_pages{pages_per_block}',
   )(*inputs)
 
   if k_splits == 1:

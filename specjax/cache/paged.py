@@ -160,7 +160,8 @@ class PageAllocator:
       raise OutOfPagesError(
           f'KV cache out of pages: sequence {seq_id} needs {need} more pages of {self.page_size} tokens '
           f'for {num_tokens} tokens, {len(self._free)} of {self.num_pages - 1} are free '
-          '(raise num_pages or lower the batch / max_new_tokens)')
+          '(raise num_pages or lower the batch / max_new_tokens)'
+      )
     for _ in range(max(need, 0)):
       owned.append(self._free.pop())
     return list(owned)
@@ -175,5 +176,5 @@ class PageAllocator:
       owned = self._owned.get(seq_id, [])
       if len(owned) > pages_per_seq:
         raise ValueError(f'sequence {seq_id} holds {len(owned)} pages, more than {pages_per_seq}')
-      table[row, :len(owned)] = owned
+      table[row, : len(owned)] = owned
     return table

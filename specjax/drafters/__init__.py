@@ -16,6 +16,21 @@ register(draft_model.FAMILY)
 register(layer_skip.FAMILY)
 register(mtp.FAMILY)
 
-__all__ = ['BatchPlan', 'DraftContext', 'Drafter', 'DrafterFamily', 'DraftModelDrafter', 'LayerSkipDrafter',
-           'MTPDrafter', 'NgramDrafter', 'Proposal', 'REGISTRY', 'check_compatible', 'check_mtp_target', 'get',
-           'make_drafter', 'names', 'register']
+__all__ = [
+    'BatchPlan',
+    'DraftContext',
+    'Drafter',
+    'DrafterFamily',
+    'DraftModelDrafter',
+    'LayerSkipDrafter',
+    'MTPDrafter',
+    'NgramDrafter',
+    'Proposal',
+    'REGISTRY',
+    'check_compatible',
+    'check_mtp_target',
+    'get',
+    'make_drafter',
+    'names',
+    'register',
+]

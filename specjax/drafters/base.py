@@ -61,6 +61,7 @@ class Proposal:
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
   """What a drafter needs to size its state for one batch."""
+
   batch: int
   capacity: int  # tokens per row (block table width x page size)
   num_pages: int
@@ -92,8 +93,15 @@ class Drafter:
   def propose(self, target, params, state, cache: KVCache, ctx: DraftContext, k: int, sampling) -> Proposal:
     raise NotImplementedError
 
-  def commit(self, params, state, ctx: DraftContext, n_emitted: jax.Array, taps: tuple[jax.Array, ...],
-             hidden: jax.Array | None = None):
+  def commit(
+      self,
+      params,
+      state,
+      ctx: DraftContext,
+      n_emitted: jax.Array,
+      taps: tuple[jax.Array, ...],
+      hidden: jax.Array | None = None,
+  ):
     return state
 
   def start(self, params, state, ctx: DraftContext):

@@ -28,9 +28,9 @@ def check_compatible(target: Model, draft: Model) -> None:
   """Target and drafter must share the vocabulary (same ids, same tokenizer)."""
   tv, dv = target.config.vocab_size, draft.config.vocab_size
   if tv != dv:
-    raise SpecjaxError(f'draft model vocabulary ({dv}) differs from the target\'s ({tv}): {draft.source}')
+    raise SpecjaxError(f"draft model vocabulary ({dv}) differs from the target's ({tv}): {draft.source}")
   if target.tokenizer.fingerprint() != draft.tokenizer.fingerprint():
-    raise SpecjaxError(f'draft model tokenizer differs from the target\'s: {draft.source}')
+    raise SpecjaxError(f"draft model tokenizer differs from the target's: {draft.source}")
 
 
 def draft_loop(
@@ -84,8 +84,13 @@ class DraftModelDrafter(Drafter):
     return self.model.params
 
   def init_state(self, plan: BatchPlan) -> KVCache:
-    return KVCache.create(self.model.kv_shapes, num_pages=plan.num_pages, page_size=plan.page_size,
-                          block_tables=plan.block_tables, dtype=self.model.dtype)
+    return KVCache.create(
+        self.model.kv_shapes,
+        num_pages=plan.num_pages,
+        page_size=plan.page_size,
+        block_tables=plan.block_tables,
+        dtype=self.model.dtype,
+    )
 
   def prefill(self, target, params, state, tokens, query_lens, hidden, taps=()):
     _, state = nnx.merge(self.model.graphdef, params)(tokens, state, query_lens)
@@ -97,8 +102,17 @@ class DraftModelDrafter(Drafter):
     idx = jnp.clip(state.lengths[:, None] + jnp.arange(2)[None, :], 0, ctx.tokens.shape[1] - 1)
     first = jnp.take_along_axis(ctx.tokens, idx, axis=1)
     drafts, q, state = draft_loop(
-        draft, draft.logits, first, pending, state, k, sampling, ctx.seq_ids, ctx.lengths + 1,
-        need_q=not sampling.is_greedy)
+        draft,
+        draft.logits,
+        first,
+        pending,
+        state,
+        k,
+        sampling,
+        ctx.seq_ids,
+        ctx.lengths + 1,
+        need_q=not sampling.is_greedy,
+    )
     draft_lens = jnp.where(ctx.active, k, 0)
     return Proposal(drafts, draft_lens, q, state, cache)
 
@@ -109,9 +123,13 @@ class DraftModelDrafter(Drafter):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftModelOptions:
-  draft_model: Any = option(None, '--draft-model', '--mtp-model', type=str,
-                            help='draft model (same forms as -m: a loaded Model in Python); '
-                                 '--mtp-model is the mistral.rs spelling')
+  draft_model: Any = option(
+      None,
+      '--draft-model',
+      '--mtp-model',
+      type=str,
+      help='draft model (same forms as -m: a loaded Model in Python); ' '--mtp-model is the mistral.rs spelling',
+  )
 
   def validate(self) -> None:
     if self.draft_model is None:
@@ -122,14 +140,21 @@ def _build(target: Model, options: DraftModelOptions) -> DraftModelDrafter:
   draft = options.draft_model
   if isinstance(draft, str):
     from specjax.loading import load
+
     draft = load(draft, dtype=str(target.dtype) if target.dtype is not None else None)
   check_compatible(target, draft)
   if draft.is_hybrid:
-    raise SpecjaxError(f'draft model {draft.source}: hybrid (recurrent-state) draft models are not supported '
-                       'as independent drafters; use --mtp for their built-in head')
+    raise SpecjaxError(
+        f'draft model {draft.source}: hybrid (recurrent-state) draft models are not supported '
+        'as independent drafters; use --mtp for their built-in head'
+    )
   return DraftModelDrafter(model=draft)
 
 
 FAMILY = DrafterFamily(
-    name='draft-model', options=DraftModelOptions, build=_build, help='an independent smaller model, same vocabulary',
-    label=lambda o: f'draft-model({getattr(o.draft_model, "source", o.draft_model)})')
+    name='draft-model',
+    options=DraftModelOptions,
+    build=_build,
+    help='an independent smaller model, same vocabulary',
+    label=lambda o: f'draft-model({getattr(o.draft_model, "source", o.draft_model)})',
+)

@@ -29,16 +29,26 @@ class LayerSkipDrafter(Drafter):
     forward = lambda t, c, lens: append(target, t, c, lens, num_layers=self.num_layers)[:2]
     first_lens = ctx.active.astype(jnp.int32)
     drafts, q, drafted_cache = draft_loop(
-        forward, target.logits, ctx.last_tokens[:, None], first_lens, cache, k, sampling, ctx.seq_ids,
-        ctx.lengths + 1, need_q=not sampling.is_greedy)
+        forward,
+        target.logits,
+        ctx.last_tokens[:, None],
+        first_lens,
+        cache,
+        k,
+        sampling,
+        ctx.seq_ids,
+        ctx.lengths + 1,
+        need_q=not sampling.is_greedy,
+    )
     cache = dataclasses.replace(drafted_cache, lengths=cache.lengths)  # draft positions are not committed
     return Proposal(drafts, jnp.where(ctx.active, k, 0), q, state, cache)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSkipOptions:
-  layers: int | None = option(None, '--layers', help="layer-skip: the target's first N layers draft "
-                              '(default: a quarter of them)', type=int)
+  layers: int | None = option(
+      None, '--layers', help="layer-skip: the target's first N layers draft " '(default: a quarter of them)', type=int
+  )
 
   def validate(self) -> None:
     if self.layers is not None and self.layers < 1:
@@ -47,14 +57,20 @@ class LayerSkipOptions:
 
 def _check(target, options: LayerSkipOptions) -> None:
   if target.is_hybrid:
-    raise SpecjaxError(f'layer-skip drafting is not supported on hybrid targets ({target.architecture}): '
-                       'its drafts would advance the recurrent state; use --mtp or --drafter ngram')
+    raise SpecjaxError(
+        f'layer-skip drafting is not supported on hybrid targets ({target.architecture}): '
+        'its drafts would advance the recurrent state; use --mtp or --drafter ngram'
+    )
   total = target.config.num_layers
   if options.layers is not None and not 1 <= options.layers < total:
     raise SpecjaxError(f"layer-skip needs 1 <= layers < {total} (the target's depth), got {options.layers}")
 
 
 FAMILY = DrafterFamily(
-    name='layer-skip', options=LayerSkipOptions, check=_check, help="the target's first layers, final norm and head",
+    name='layer-skip',
+    options=LayerSkipOptions,
+    check=_check,
+    help="the target's first layers, final norm and head",
     build=lambda target, o: LayerSkipDrafter(num_layers=o.layers or max(1, target.config.num_layers // 4)),
-    label=lambda o: f'layer-skip({o.layers if o.layers is not None else "auto"})')
+    label=lambda o: f'layer-skip({o.layers if o.layers is not None else "auto"})',
+)

@@ -48,8 +48,10 @@ class MTPState:
 def check_mtp_target(target) -> None:
   """The target must have been loaded with its MTP head (`specjax.load(..., mtp=True)` / `--mtp`)."""
   if 'mtp' not in target.heads:
-    raise SpecjaxError(f'{target.source}: the MTP drafter needs the model loaded with its MTP head '
-                       '(specjax.load(path, mtp=True), or --mtp on the command line)')
+    raise SpecjaxError(
+        f'{target.source}: the MTP drafter needs the model loaded with its MTP head '
+        '(specjax.load(path, mtp=True), or --mtp on the command line)'
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,8 +72,13 @@ class MTPDrafter(Drafter):
   def init_state(self, plan: BatchPlan) -> MTPState:
     layout = self._head(self.head_params).cache_layout()
     dtype = jax.tree.leaves(self.head_params)[0].dtype
-    cache = KVCache.create(list(layout.kv_shapes), num_pages=plan.num_pages, page_size=plan.page_size,
-                           block_tables=plan.block_tables, dtype=dtype)
+    cache = KVCache.create(
+        list(layout.kv_shapes),
+        num_pages=plan.num_pages,
+        page_size=plan.page_size,
+        block_tables=plan.block_tables,
+        dtype=dtype,
+    )
     pending = jnp.zeros((plan.batch, plan.max_draft + 1, self.hidden_size), dtype)
     return MTPState(cache, pending, jnp.zeros((plan.batch,), jnp.int32))
 
@@ -141,6 +148,12 @@ def _build(target, options: MTPOptions) -> MTPDrafter:
 
 
 FAMILY = DrafterFamily(
-    name='mtp', options=MTPOptions, build=_build, check=lambda target, o: check_mtp_target(target),
-    depths=(2, 3, 4, 6), default_depth=3, target_heads=('mtp',),
-    help="the checkpoint's built-in MTP head (Qwen3.5 / Qwen3-Next mtp.*)")
+    name='mtp',
+    options=MTPOptions,
+    build=_build,
+    check=lambda target, o: check_mtp_target(target),
+    depths=(2, 3, 4, 6),
+    default_depth=3,
+    target_heads=('mtp',),
+    help="the checkpoint's built-in MTP head (Qwen3.5 / Qwen3-Next mtp.*)",
+)

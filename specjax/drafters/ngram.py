@@ -35,6 +35,7 @@ class NgramState:
 @dataclasses.dataclass(frozen=True)
 class NgramDrafter(Drafter):
   """Prompt lookup; `drafts_ahead=False` looks up inside the step and always verifies K + 1 positions."""
+
   n_min: int = 1
   n_max: int = 3
   name: str = 'ngram'
@@ -86,7 +87,7 @@ def ngram_lookup(
     windows = c - n  # a window at j covers j..j+n-1 and is followed by j+n
     match = jnp.ones((b, windows), bool)
     for i in range(n):
-      match &= tokens[:, i:i + windows] == suffix[:, i:i + 1]
+      match &= tokens[:, i : i + windows] == suffix[:, i : i + 1]
     j = jnp.arange(windows)
     match &= (j[None, :] + n < seq_lens[:, None]) & (seq_lens[:, None] >= n + 1)
     latest = jnp.max(jnp.where(match, j[None, :], -1), axis=1)
@@ -109,6 +110,9 @@ class NgramOptions:
 
 
 FAMILY = DrafterFamily(
-    name='ngram', options=NgramOptions, help='prompt lookup: the continuation of the latest earlier n-gram match',
+    name='ngram',
+    options=NgramOptions,
+    help='prompt lookup: the continuation of the latest earlier n-gram match',
     build=lambda target, o: NgramDrafter(n_min=o.ngram_min, n_max=o.ngram_max),
-    label=lambda o: f'ngram({o.ngram_min}..{o.ngram_max})')
+    label=lambda o: f'ngram({o.ngram_min}..{o.ngram_max})',
+)

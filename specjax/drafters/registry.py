@@ -39,8 +39,10 @@ class DrafterFamily:
     fields = {f.name for f in dataclasses.fields(self.options)}
     unknown = sorted(set(values) - fields)
     if unknown:
-      raise SpecjaxError(f'drafter {self.name!r} has no option {", ".join(unknown)} '
-                         f'(options: {", ".join(sorted(fields)) or "none"})')
+      raise SpecjaxError(
+          f'drafter {self.name!r} has no option {", ".join(unknown)} '
+          f'(options: {", ".join(sorted(fields)) or "none"})'
+      )
     options = self.options(**{k: v for k, v in values.items() if v is not None})
     if hasattr(options, 'validate'):
       options.validate()

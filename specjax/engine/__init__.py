@@ -5,5 +5,14 @@ from specjax.engine.loop import Engine, GenerationResult, GenerationStats
 from specjax.engine.planner import PREFILL_BUCKETS, BatchLayout, next_pow2, plan_batch
 from specjax.step import DecodeState
 
-__all__ = ['BatchLayout', 'DecodeState', 'Engine', 'Executables', 'GenerationResult', 'GenerationStats',
-           'PREFILL_BUCKETS', 'next_pow2', 'plan_batch']
+__all__ = [
+    'BatchLayout',
+    'DecodeState',
+    'Engine',
+    'Executables',
+    'GenerationResult',
+    'GenerationStats',
+    'PREFILL_BUCKETS',
+    'next_pow2',
+    'plan_batch',
+]

@@ -26,8 +26,9 @@ class Executables:
     self.compile_s = 0.0
     self._cache: dict[tuple, Callable] = {}
 
-  def get(self, name: str, fn: Callable, args: tuple, static: dict | None = None,
-          donate: tuple[int, ...] = (1,)) -> Callable:
+  def get(
+      self, name: str, fn: Callable, args: tuple, static: dict | None = None, donate: tuple[int, ...] = (1,)
+  ) -> Callable:
     """The compiled executable; call it as `exe(params, *args)`. `donate`: argument indices, params at 0."""
     static = static or {}
     shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))

@@ -27,8 +27,17 @@ from specjax.models.base import Model
 from specjax.policies import Fixed, Policy
 from specjax.sampling import SamplingParams
 from specjax.depths import step_depth, verify_widths
-from specjax.step import (DecodeState, decode_step, drafter_prefill, drafter_start, prefill_chunk, propose_phase,
-                          spec_step, start, verify_phase)
+from specjax.step import (
+    DecodeState,
+    decode_step,
+    drafter_prefill,
+    drafter_start,
+    prefill_chunk,
+    propose_phase,
+    spec_step,
+    start,
+    verify_phase,
+)
 
 
 @dataclasses.dataclass
@@ -85,9 +94,18 @@ class Engine:
       (costs one extra sync per step; off for throughput runs).
   """
 
-  def __init__(self, model: Model, *, page_size: int = 16, max_seq_len: int | None = None,
-               num_pages: int | None = None, prefill_chunk: int = 512, drafter: Drafter | None = None,
-               max_draft: int = 8, profile: bool = False):
+  def __init__(
+      self,
+      model: Model,
+      *,
+      page_size: int = 16,
+      max_seq_len: int | None = None,
+      num_pages: int | None = None,
+      prefill_chunk: int = 512,
+      drafter: Drafter | None = None,
+      max_draft: int = 8,
+      profile: bool = False,
+  ):
     if page_size < 1 or page_size & (page_size - 1):
       raise SpecjaxError(f'page_size must be a power of two, got {page_size}')
     self.model = model
@@ -117,8 +135,15 @@ class Engine:
 
   def plan(self, prompts: list[list[int]], max_new_tokens: int) -> BatchLayout:
     """Checks capacity and pages before any work; the batch's shapes and block tables."""
-    return plan_batch(prompts, max_new_tokens, page_size=self.page_size, max_seq_len=self.max_seq_len,
-                      num_pages=self.num_pages, lookahead=self.lookahead, prefill_chunk=self.prefill_chunk)
+    return plan_batch(
+        prompts,
+        max_new_tokens,
+        page_size=self.page_size,
+        max_seq_len=self.max_seq_len,
+        num_pages=self.num_pages,
+        lookahead=self.lookahead,
+        prefill_chunk=self.prefill_chunk,
+    )
 
   def encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
     if isinstance(prompts, str):
@@ -137,9 +162,16 @@ class Engine:
 
   # -- generation
 
-  def prefill(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
-              eos_ids: jax.Array, request_ids: Sequence[int] | None = None, *,
-              drafting: bool = True) -> DecodeState:
+  def prefill(
+      self,
+      prompts: list[list[int]],
+      max_new_tokens: int,
+      sampling: SamplingParams,
+      eos_ids: jax.Array,
+      request_ids: Sequence[int] | None = None,
+      *,
+      drafting: bool = True,
+  ) -> DecodeState:
     """Reserves pages, runs the prompts through the model (and drafter), samples the first token.
 
     `drafting=False` (plain decoding on an engine with a drafter) leaves the
@@ -147,30 +179,43 @@ class Engine:
     """
     layout = self.plan(prompts, max_new_tokens)
     batch, n, lens, chunk = layout.batch, layout.rows, layout.prompt_lens, layout.prefill_chunk
-    cache = KVCache.create(self.model.kv_shapes, num_pages=layout.num_pages, page_size=self.page_size,
-                           block_tables=layout.block_tables, state_shapes=self.model.state_shapes,
-                           dtype=self.model.dtype, num_slots=max(1, self.lookahead))
+    cache = KVCache.create(
+        self.model.kv_shapes,
+        num_pages=layout.num_pages,
+        page_size=self.page_size,
+        block_tables=layout.block_tables,
+        state_shapes=self.model.state_shapes,
+        dtype=self.model.dtype,
+        num_slots=max(1, self.lookahead),
+    )
     buffer = np.zeros((batch, layout.capacity), np.int32)
     for i, p in enumerate(prompts):
-      buffer[i, :len(p)] = p
+      buffer[i, : len(p)] = p
     dstate, dparams = (), ()
     if self.drafter:
       dparams = self.drafter.params()
-      dstate = self.drafter.init_state(BatchPlan(batch, layout.capacity, layout.num_pages, self.page_size,
-                                                 layout.block_tables, self.max_draft))
+      dstate = self.drafter.init_state(
+          BatchPlan(batch, layout.capacity, layout.num_pages, self.page_size, layout.block_tables, self.max_draft)
+      )
     longest = int(lens.max())
     last_hidden = jnp.zeros((batch, self.model.config.hidden_size), self.model.dtype)
     drafting = bool(self.drafter) and drafting
     taps = {'taps': self.drafter.taps} if drafting and self.drafter.taps else {}
     for first in range(0, longest, chunk):
-      tokens = np.ascontiguousarray(buffer[:, first:first + chunk])
+      tokens = np.ascontiguousarray(buffer[:, first : first + chunk])
       tokens = np.pad(tokens, ((0, 0), (0, chunk - tokens.shape[1])))
       q_lens = np.clip(lens - first, 0, chunk).astype(np.int32)
-      cache, last_hidden, hidden, tapped = self._call('prefill', prefill_chunk, (cache, tokens, q_lens, last_hidden),
-                                                      taps)
+      cache, last_hidden, hidden, tapped = self._call(
+          'prefill', prefill_chunk, (cache, tokens, q_lens, last_hidden), taps
+      )
       if drafting:
-        dstate = self._call('drafter_prefill', drafter_prefill, (dparams, dstate, tokens, q_lens, hidden, tapped),
-                            {'drafter': self.drafter}, donate=(2,))
+        dstate = self._call(
+            'drafter_prefill',
+            drafter_prefill,
+            (dparams, dstate, tokens, q_lens, hidden, tapped),
+            {'drafter': self.drafter},
+            donate=(2,),
+        )
     state = DecodeState(
         cache=cache,
         last_tokens=jnp.zeros((batch,), jnp.int32),
@@ -197,8 +242,9 @@ class Engine:
       exe = self.executables.get('spec', spec_step, (dparams, state, eos_ids), static, (2,))
       return lambda state: exe(self.model.params, dparams, state, eos_ids)
     propose = self.executables.get('propose', propose_phase, (dparams, state), static, (2,))
-    shapes = jax.eval_shape(lambda s: propose_phase(self.model.graphdef, self.model.params, dparams, s, **static),
-                            state)
+    shapes = jax.eval_shape(
+        lambda s: propose_phase(self.model.graphdef, self.model.params, dparams, s, **static), state
+    )
     verify_exe = self.executables.get('verify', verify_phase, (dparams, *shapes, eos_ids), static, (2,))
 
     def profiled(state):
@@ -210,6 +256,7 @@ class Engine:
       jax.block_until_ready(out[1])
       self.phase_s = [t_mid - t, time.perf_counter() - t_mid]
       return out
+
     return profiled
 
   def check_depth(self, k: int) -> None:
@@ -286,14 +333,15 @@ class Engine:
     state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids, drafting=bool(policy))
     ahead = bool(policy) and self.drafter.drafts_ahead
     exec_depths = sorted({w - 1 for d in depths for w in verify_widths(d)}) if ahead else depths
-    steps = {d: self.step_fn(d if policy else None, sampling, state, eos_ids)
-             for d in exec_depths}  # compiled before the decode clock
+    steps = {
+        d: self.step_fn(d if policy else None, sampling, state, eos_ids) for d in exec_depths
+    }  # compiled before the decode clock
     pstate = policy.begin(policy.init() if policy_state is None else policy_state, n) if policy else None
     pending = self.drafter.pending_lens(state.drafter) if ahead else None
     tokens, active, pending = jax.device_get((state.last_tokens, state.active, pending))
     stats.prefill_s = time.perf_counter() - t0
     for i in range(n):
-      emit(i, tokens[i:i + 1])
+      emit(i, tokens[i : i + 1])
     t0 = time.perf_counter()
     while active[:n].any():
       live = int(active[:n].sum())
@@ -311,19 +359,26 @@ class Engine:
       if k_step == 0:
         tokens, now_active = out
         for i in rows:
-          emit(i, tokens[i:i + 1])
+          emit(i, tokens[i : i + 1])
       else:
         tokens, emitted, accepted, drafted, now_active, drafts = out
         for i in rows:
-          emit(i, tokens[i, :emitted[i]])
+          emit(i, tokens[i, : emitted[i]])
           if traces is not None:
-            traces[i].append({'k': k_step, 'drafts': drafts[i, :drafted[i]].tolist(), 'accepted': int(accepted[i]),
-                              'emitted': tokens[i, :emitted[i]].tolist()})
+            traces[i].append(
+                {
+                    'k': k_step,
+                    'drafts': drafts[i, : drafted[i]].tolist(),
+                    'accepted': int(accepted[i]),
+                    'emitted': tokens[i, : emitted[i]].tolist(),
+                }
+            )
           spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]), int(before[i]) if ahead else None)
           spec[i].draft_s += self.phase_s[0] if self.profile else 0.0
           spec[i].verify_s += self.phase_s[1] if self.profile else 0.0
-        pstate = policy.observe(pstate, k_step, accepted[rows], step_s, live, drafted[rows], k_exec + 1,
-                                before[rows] if ahead else None)
+        pstate = policy.observe(
+            pstate, k_step, accepted[rows], step_s, live, drafted[rows], k_exec + 1, before[rows] if ahead else None
+        )
       active = now_active
     stats.decode_s = time.perf_counter() - t0
     stats.policy_state = pstate
@@ -340,6 +395,14 @@ class Engine:
       text = self.model.tokenizer.decode(generated[i])
       if spec:
         spec[i].total_s = stats.decode_s
-      results.append(GenerationResult(text, generated[i], len(ids[i]), reason, spec[i] if spec else None,
-                                      traces[i] if traces is not None else None))
+      results.append(
+          GenerationResult(
+              text,
+              generated[i],
+              len(ids[i]),
+              reason,
+              spec[i] if spec else None,
+              traces[i] if traces is not None else None,
+          )
+      )
     return results, stats

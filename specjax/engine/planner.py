@@ -44,8 +44,16 @@ class BatchLayout:
     return self.pages_per_seq * self.page_size
 
 
-def plan_batch(prompts: list[list[int]], max_new_tokens: int, *, page_size: int, max_seq_len: int,
-               num_pages: int | None = None, lookahead: int = 0, prefill_chunk: int = 512) -> BatchLayout:
+def plan_batch(
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    page_size: int,
+    max_seq_len: int,
+    num_pages: int | None = None,
+    lookahead: int = 0,
+    prefill_chunk: int = 512,
+) -> BatchLayout:
   """Checks capacity and pages, reserves each prompt's pages; raises before any work."""
   reserve = max_new_tokens + lookahead
   for i, p in enumerate(prompts):
@@ -55,7 +63,8 @@ def plan_batch(prompts: list[list[int]], max_new_tokens: int, *, page_size: int,
       extra = f' + {lookahead} draft lookahead' if lookahead else ''
       raise SpecjaxError(
           f'prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens}{extra} it needs '
-          f'{len(p) + reserve} positions, over the capacity of {max_seq_len}')
+          f'{len(p) + reserve} positions, over the capacity of {max_seq_len}'
+      )
   longest = max(len(p) for p in prompts)
   pages_per_seq = next_pow2(math.ceil((longest + reserve) / page_size))
   batch = next_pow2(len(prompts))
@@ -64,11 +73,20 @@ def plan_batch(prompts: list[list[int]], max_new_tokens: int, *, page_size: int,
   if need > num_pages - 1:
     raise OutOfPagesError(
         f'KV cache out of pages: the batch needs {need} pages of {page_size} tokens, '
-        f'the pool has {num_pages - 1} (raise num_pages or lower the batch / max_new_tokens)')
+        f'the pool has {num_pages - 1} (raise num_pages or lower the batch / max_new_tokens)'
+    )
   allocator = PageAllocator(num_pages, page_size)
   for i, p in enumerate(prompts):
     allocator.allocate(i, len(p) + reserve)
   lens = np.array([len(p) for p in prompts] + [0] * (batch - len(prompts)))
   chunk = min(prefill_chunk, next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= longest))
-  return BatchLayout(len(prompts), batch, pages_per_seq, num_pages, page_size,
-                     allocator.block_table(list(range(batch)), pages_per_seq), lens, chunk)
+  return BatchLayout(
+      len(prompts),
+      batch,
+      pages_per_seq,
+      num_pages,
+      page_size,
+      allocator.block_table(list(range(batch)), pages_per_seq),
+      lens,
+      chunk,
+  )

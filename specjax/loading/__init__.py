@@ -25,10 +25,12 @@ def resolve(spec: str) -> str:
     return path
   if HUB_ID.match(spec) and not spec.startswith(('.', '/')):
     from specjax.loading.hf import resolve_hub_id
+
     return resolve_hub_id(spec)
   raise SpecjaxError(
       f'model {spec!r} not found: not a file, a directory, a hub id (org/name) '
-      f'or a demo name ({", ".join(DEMO_MODELS)})')
+      f'or a demo name ({", ".join(DEMO_MODELS)})'
+  )
 
 
 MTP_PREFIX = 'mtp.'
@@ -37,16 +39,21 @@ MTP_PREFIX = 'mtp.'
 def check_mtp(path: str, config: dict | None) -> None:
   """Built-in MTP needs an HF checkpoint of an MTP family with `mtp.*` weights (headers only are read)."""
   if config is None:
-    raise SpecjaxError(f'{path}: built-in MTP (--mtp) is not supported from GGUF checkpoints; '
-                       'use the HF safetensors checkpoint, which carries the mtp.* weights')
+    raise SpecjaxError(
+        f'{path}: built-in MTP (--mtp) is not supported from GGUF checkpoints; '
+        'use the HF safetensors checkpoint, which carries the mtp.* weights'
+    )
   arch, family = family_for(config, path)
   if not family.has_mtp:
     raise SpecjaxError(f'{path}: {arch} models have no built-in MTP head (--mtp is for Qwen3.5 / Qwen3-Next)')
   from specjax.loading.hf import tensor_names
+
   names = tensor_names(path)
   if 'mtp.fc.weight' not in names:
-    raise SpecjaxError(f'{path}: no built-in MTP weights (mtp.* tensors) in this checkpoint; '
-                       'drop --mtp or use a drafter (--drafter ngram / draft-model)')
+    raise SpecjaxError(
+        f'{path}: no built-in MTP weights (mtp.* tensors) in this checkpoint; '
+        'drop --mtp or use a drafter (--drafter ngram / draft-model)'
+    )
   layers = {n.split('.')[2] for n in names if n.startswith('mtp.layers.')}
   if layers != {'0'}:
     raise SpecjaxError(f'{path}: the MTP head has layers {sorted(layers)}; specjax runs one MTP layer (mtp.layers.0)')
@@ -61,6 +68,7 @@ def load_checkpoint(spec: str, *, mtp: bool = False) -> Checkpoint:
   path = resolve(spec)
   if os.path.isdir(path):
     from specjax.loading.hf import load_hf_dir, read_hf_config
+
     config = read_hf_config(path)
     family_for(config, path)  # unknown architectures fail before reading weights
     if mtp:
@@ -69,6 +77,7 @@ def load_checkpoint(spec: str, *, mtp: bool = False) -> Checkpoint:
   if mtp:
     check_mtp(path, None)
   from specjax.loading.gguf import load_gguf
+
   return load_gguf(path)
 
 
@@ -101,6 +110,7 @@ def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto', mtp: bool = F
   (`model.heads['mtp']`), apart from the target's params.
   """
   from specjax.models.base import Model
+
   arch, family = family_for(ckpt.config, ckpt.source)
   cfg = family.config_from_hf(ckpt.config)
   dt = resolve_dtype(dtype)
@@ -120,8 +130,19 @@ def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto', mtp: bool = F
     extra = sorted(ckpt.tensors)[:5]
     raise SpecjaxError(f'{ckpt.source}: {len(ckpt.tensors)} unexpected weights, e.g. {extra}')
   layout = abstract.cache_layout()
-  return Model(graphdef, state, cfg, ckpt.tokenizer, ckpt.generation, ckpt.source, arch,
-               kv_shapes=list(layout.kv_shapes), state_shapes=list(layout.state_shapes), dtype=dt, heads=heads)
+  return Model(
+      graphdef,
+      state,
+      cfg,
+      ckpt.tokenizer,
+      ckpt.generation,
+      ckpt.source,
+      arch,
+      kv_shapes=list(layout.kv_shapes),
+      state_shapes=list(layout.state_shapes),
+      dtype=dt,
+      heads=heads,
+  )
 
 
 def load(spec: str, *, attention_impl: str = 'auto', mtp: bool = False, dtype: str | None = None):

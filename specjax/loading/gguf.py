@@ -95,14 +95,22 @@ from specjax.loading.tokenizer import Tokenizer
 _MAGIC = b'GGUF'
 _DEFAULT_ALIGNMENT = 32
 _SUPPORTED_TYPES = frozenset(
-    GGMLQuantizationType[name]
-    for name in ('F32', 'F16', 'BF16', 'Q8_0', 'Q4_0', 'Q5_0', 'Q4_K', 'Q5_K',
-                 'Q6_K'))
+    GGMLQuantizationType[name] for name in ('F32', 'F16', 'BF16', 'Q8_0', 'Q4_0', 'Q5_0', 'Q4_K', 'Q5_K', 'Q6_K')
+)
 
 # GGUF metadata value types -> struct format (strings 8 and arrays 9 aside).
 _SCALAR_FORMATS = {
-    0: 'B', 1: 'b', 2: 'H', 3: 'h', 4: 'I', 5: 'i', 6: 'f', 7: '?', 10: 'Q',
-    11: 'q', 12: 'd',
+    0: 'B',
+    1: 'b',
+    2: 'H',
+    3: 'h',
+    4: 'I',
+    5: 'i',
+    6: 'f',
+    7: '?',
+    10: 'Q',
+    11: 'q',
+    12: 'd',
 }
 _STRING, _ARRAY = 8, 9
 
@@ -143,8 +151,7 @@ _QWEN3_LAYER_NAMES = _LLAMA_LAYER_NAMES | {
     'attn_q_norm': 'self_attn.q_norm',
     'attn_k_norm': 'self_attn.k_norm',
 }
-_MISTRAL_NAMES = re.compile(
-    r'mistral|ministral|mixtral|codestral|devstral|magistral|mathstral', re.I)
+_MISTRAL_NAMES = re.compile(r'mistral|ministral|mixtral|codestral|devstral|magistral|mathstral', re.I)
 _ROPE_FREQS = 'rope_freqs.weight'
 
 # Llama 3 `rope_scaling` values tried against `rope_freqs.weight`, most usual
@@ -168,8 +175,7 @@ class _Arch:
 
 _ARCHS = {
     'gemma3': _Arch(_GEMMA3_LAYER_NAMES, norm_offset=True, permute_qk=False),
-    'llama': _Arch(_LLAMA_LAYER_NAMES, norm_offset=False, permute_qk=True,
-                   extra=frozenset({_ROPE_FREQS})),
+    'llama': _Arch(_LLAMA_LAYER_NAMES, norm_offset=False, permute_qk=True, extra=frozenset({_ROPE_FREQS})),
     'qwen3': _Arch(_QWEN3_LAYER_NAMES, norm_offset=False, permute_qk=False),
 }
 
@@ -196,8 +202,7 @@ class _GGUFFile:
     try:
       self._parse()
     except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
-      raise SpecjaxError(
-          f'corrupt or truncated GGUF header in {path}: {e}') from None
+      raise SpecjaxError(f'corrupt or truncated GGUF header in {path}: {e}') from None
 
   def _parse(self) -> None:
     buf = self._map
@@ -205,8 +210,8 @@ class _GGUFFile:
     if version not in (2, 3):
       order = 'big-endian ' if version > 0xFFFF else ''
       raise SpecjaxError(
-          f'unsupported {order}GGUF version {version} in {self.path}'
-          ' (supported: little-endian v2, v3)')
+          f'unsupported {order}GGUF version {version} in {self.path}' ' (supported: little-endian v2, v3)'
+      )
     n_tensors, n_kv = struct.unpack_from('<QQ', buf, 8)
     pos = 24
     self.metadata: dict[str, Any] = {}
@@ -226,8 +231,7 @@ class _GGUFFile:
     alignment = int(self.metadata.get('general.alignment', _DEFAULT_ALIGNMENT))
     data_start = -(-pos // alignment) * alignment
     self.tensors = {
-        name: _TensorInfo(name, shape, qtype, data_start + offset)
-        for name, shape, qtype, offset in raw_infos
+        name: _TensorInfo(name, shape, qtype, data_start + offset) for name, shape, qtype, offset in raw_infos
     }
 
   def _string(self, pos: int) -> tuple[str, int]:
@@ -235,7 +239,7 @@ class _GGUFFile:
     end = pos + 8 + n
     if end > len(self._map):
       raise IndexError('string runs past the end of the file')
-    return str(self._map[pos + 8:end], 'utf-8'), end
+    return str(self._map[pos + 8 : end], 'utf-8'), end
 
   def _value(self, value_type: int, pos: int) -> tuple[Any, int]:
     if value_type == _STRING:
@@ -245,8 +249,7 @@ class _GGUFFile:
       pos += 12
       if item_type in _SCALAR_FORMATS:
         fmt = '<' + _SCALAR_FORMATS[item_type]
-        items = np.frombuffer(
-            self._map, np.dtype(fmt), count=count, offset=pos).tolist()
+        items = np.frombuffer(self._map, np.dtype(fmt), count=count, offset=pos).tolist()
         return items, pos + count * struct.calcsize(fmt)
       items = []
       for _ in range(count):
@@ -266,12 +269,12 @@ class _GGUFFile:
     if width % block:
       raise SpecjaxError(
           f'GGUF tensor {info.name}: row length {width} is not a multiple of'
-          f' the {GGMLQuantizationType(info.qtype).name} block size {block}')
+          f' the {GGMLQuantizationType(info.qtype).name} block size {block}'
+      )
     byte_shape = (*rows, width // block * block_bytes)
     nbytes = math.prod(byte_shape)
     if info.start + nbytes > len(self._map):
-      raise SpecjaxError(
-          f'GGUF file is truncated: tensor {info.name} ends past {self.path}')
+      raise SpecjaxError(f'GGUF file is truncated: tensor {info.name} ends past {self.path}')
     data = np.frombuffer(self._map, np.uint8, count=nbytes, offset=info.start)
     return data.reshape(byte_shape)
 
@@ -288,23 +291,20 @@ def load_gguf(path: str) -> Checkpoint:
   arch = meta.get('general.architecture')
   spec = _ARCHS.get(arch)
   if spec is None:
-    raise SpecjaxError(
-        f'unsupported GGUF architecture {arch!r} in {path}'
-        f' (supported: {", ".join(_ARCHS)})')
+    raise SpecjaxError(f'unsupported GGUF architecture {arch!r} in {path}' f' (supported: {", ".join(_ARCHS)})')
 
   # Everything is checked before any tensor is dequantized.
   for info in gguf_file.tensors.values():
     if info.qtype not in _SUPPORTED_TYPES:
       supported = ', '.join(t.name for t in sorted(_SUPPORTED_TYPES))
       raise SpecjaxError(
-          f'GGUF tensor {info.name} has unsupported type'
-          f' {_type_name(info.qtype)} (supported: {supported})')
+          f'GGUF tensor {info.name} has unsupported type' f' {_type_name(info.qtype)} (supported: {supported})'
+      )
   if arch == 'gemma3':
     config = _gemma3_config(meta, gguf_file.tensors)
   else:
     config = _dense_config(arch, meta, gguf_file)
-  hf_names = _tensor_names(arch, spec, gguf_file.tensors,
-                           config['num_hidden_layers'])
+  hf_names = _tensor_names(arch, spec, gguf_file.tensors, config['num_hidden_layers'])
   tokenizer = Tokenizer.from_gguf_fields(meta)
 
   tensors = {}
@@ -313,10 +313,8 @@ def load_gguf(path: str) -> Checkpoint:
     values = _dequantize(gguf_file.raw(info), info.qtype, info.shape)
     if spec.norm_offset and gguf_name.endswith('norm.weight'):
       values -= 1.0  # stored as 1 + w
-    if spec.permute_qk and gguf_name.endswith(('.attn_q.weight',
-                                               '.attn_k.weight')):
-      heads = config['num_attention_heads' if '.attn_q.' in gguf_name
-                     else 'num_key_value_heads']
+    if spec.permute_qk and gguf_name.endswith(('.attn_q.weight', '.attn_k.weight')):
+      heads = config['num_attention_heads' if '.attn_q.' in gguf_name else 'num_key_value_heads']
       values = _unpermute_rope_rows(values, heads, gguf_name)
     tensors[hf_name] = values
   return Checkpoint(
@@ -343,13 +341,15 @@ def _dequantize(
   width = shape[-1] if shape else 1
   rows, out_rows = raw.reshape(-1, raw.shape[-1]), out.reshape(-1, width)
   if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+
     def decode(chunk):
       return quants.dequantize(chunk, qtype)
+
   else:
     decode = getattr(quants, qtype.name).dequantize_rows
   step = max(1, (1 << 22) // width)
   for start in range(0, rows.shape[0], step):
-    out_rows[start:start + step] = decode(rows[start:start + step])
+    out_rows[start : start + step] = decode(rows[start : start + step])
   return out
 
 
@@ -365,9 +365,7 @@ def _f32(value: float) -> float:
   return float(str(np.float32(value)))
 
 
-def _gemma3_config(
-    meta: dict[str, Any], tensors: dict[str, _TensorInfo]
-) -> dict[str, Any]:
+def _gemma3_config(meta: dict[str, Any], tensors: dict[str, _TensorInfo]) -> dict[str, Any]:
   """HF `Gemma3TextConfig` keys from `gemma3.*` metadata (defaults: above)."""
 
   def get(key: str, default: Any = None) -> Any:
@@ -383,9 +381,7 @@ def _gemma3_config(
   pattern = get('attention.sliding_window_pattern', 6)
   if isinstance(pattern, list):
     if len(pattern) != layers:
-      raise SpecjaxError(
-          f'gemma3.attention.sliding_window_pattern has {len(pattern)} entries'
-          f' for {layers} layers')
+      raise SpecjaxError(f'gemma3.attention.sliding_window_pattern has {len(pattern)} entries' f' for {layers} layers')
     sliding = [bool(s) for s in pattern]
     pattern = next((i + 1 for i, s in enumerate(sliding) if not s), layers)
   else:
@@ -394,8 +390,7 @@ def _gemma3_config(
 
   rope_scaling = None
   if get('rope.scaling.type') == 'linear':
-    rope_scaling = {
-        'rope_type': 'linear', 'factor': _f32(get('rope.scaling.factor', 1.0))}
+    rope_scaling = {'rope_type': 'linear', 'factor': _f32(get('rope.scaling.factor', 1.0))}
   final_softcap = get('final_logit_softcapping')
   attn_softcap = get('attn_logit_softcapping')
 
@@ -409,13 +404,10 @@ def _gemma3_config(
       'rope_scaling': rope_scaling,
       'sliding_window': int(get('attention.sliding_window', 512)),
       'sliding_window_pattern': pattern,
-      'layer_types': [
-          'sliding_attention' if s else 'full_attention' for s in sliding],
+      'layer_types': ['sliding_attention' if s else 'full_attention' for s in sliding],
       'query_pre_attn_scalar': hidden // heads if layers == 62 else head_dim,
-      'final_logit_softcapping': (
-          None if final_softcap is None else _f32(final_softcap)),
-      'attn_logit_softcapping': (
-          None if attn_softcap is None else _f32(attn_softcap)),
+      'final_logit_softcapping': (None if final_softcap is None else _f32(final_softcap)),
+      'attn_logit_softcapping': (None if attn_softcap is None else _f32(attn_softcap)),
       'max_position_embeddings': int(get('context_length', 32768)),
   }
 
@@ -447,9 +439,7 @@ def _decoder_keys(meta, tensors, need, get, hidden: int, layers: int, heads: int
   }
 
 
-def _tensor_names(
-    arch: str, spec: _Arch, tensors: dict[str, _TensorInfo], layers: int
-) -> dict[str, str]:
+def _tensor_names(arch: str, spec: _Arch, tensors: dict[str, _TensorInfo], layers: int) -> dict[str, str]:
   """GGUF name -> HF name for every tensor; unknown or missing ones raise.
 
   Tensors in `spec.extra` are read into the config and get no HF name.
@@ -462,8 +452,7 @@ def _tensor_names(
     if m := _LAYER_TENSOR.fullmatch(gguf_name):
       layer, part = int(m.group(1)), m.group(2)
       if layer < layers and part in spec.layer_names:
-        names[gguf_name] = (
-            f'model.layers.{layer}.{spec.layer_names[part]}.weight')
+        names[gguf_name] = f'model.layers.{layer}.{spec.layer_names[part]}.weight'
         continue
     elif top is not None and gguf_name.endswith('.weight'):
       names[gguf_name] = f'{top}.weight'
@@ -471,17 +460,14 @@ def _tensor_names(
     raise SpecjaxError(f'unexpected tensor {gguf_name} in a {arch} GGUF file')
 
   expected = {'token_embd.weight', 'output_norm.weight'} | {
-      f'blk.{i}.{part}.weight'
-      for i in range(layers) for part in spec.layer_names}
+      f'blk.{i}.{part}.weight' for i in range(layers) for part in spec.layer_names
+  }
   if missing := sorted(expected - set(tensors)):
-    raise SpecjaxError(
-        f'{arch} GGUF file lacks {len(missing)} tensor(s), e.g. {missing[0]}')
+    raise SpecjaxError(f'{arch} GGUF file lacks {len(missing)} tensor(s), e.g. {missing[0]}')
   return names
 
 
-def _unpermute_rope_rows(
-    values: np.ndarray, heads: int, name: str
-) -> np.ndarray:
+def _unpermute_rope_rows(values: np.ndarray, heads: int, name: str) -> np.ndarray:
   """Undoes `LlamaModel.permute` (convert_hf_to_gguf) on Q/K rows.
 
   The converter reshapes rows to `[heads, 2, head_dim / 2]` and swaps the last
@@ -490,17 +476,13 @@ def _unpermute_rope_rows(
   """
   rows = values.shape[0]
   if rows % (2 * heads):
-    raise SpecjaxError(
-        f'GGUF tensor {name}: {rows} rows do not split into {heads} heads of'
-        ' an even head_dim')
+    raise SpecjaxError(f'GGUF tensor {name}: {rows} rows do not split into {heads} heads of' ' an even head_dim')
   return np.ascontiguousarray(
-      values.reshape(heads, rows // heads // 2, 2, *values.shape[1:])
-      .swapaxes(1, 2).reshape(values.shape))
+      values.reshape(heads, rows // heads // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+  )
 
 
-def _dense_config(
-    arch: str, meta: dict[str, Any], gguf_file: _GGUFFile
-) -> dict[str, Any]:
+def _dense_config(arch: str, meta: dict[str, Any], gguf_file: _GGUFFile) -> dict[str, Any]:
   """HF `LlamaConfig` / `MistralConfig` / `Qwen3Config` keys (rules: above)."""
   tensors = gguf_file.tensors
 
@@ -509,8 +491,8 @@ def _dense_config(
     if isinstance(value, list):  # per-layer values: must agree
       if len(set(value)) != 1:
         raise SpecjaxError(
-            f'GGUF metadata {arch}.{key} varies across layers ({value[:8]}),'
-            ' which this loader does not support')
+            f'GGUF metadata {arch}.{key} varies across layers ({value[:8]}),' ' which this loader does not support'
+        )
       value = value[0]
     return value
 
@@ -524,7 +506,8 @@ def _dense_config(
     if int(get(key, head_dim)) != head_dim:
       raise SpecjaxError(
           f'GGUF metadata {arch}.{key} = {get(key)} differs from head_dim'
-          f' {head_dim}, which {arch} models do not support')
+          f' {head_dim}, which {arch} models do not support'
+      )
 
   if arch == 'qwen3':
     model_type, default_context = 'qwen3', 32768
@@ -536,9 +519,9 @@ def _dense_config(
   rope_theta = _f32(get('rope.freq_base', 10_000.0))
   rope_scaling = _rope_scaling_from_metadata(arch, get, context)
   config = {
-      'architectures': [{'llama': 'LlamaForCausalLM',
-                         'mistral': 'MistralForCausalLM',
-                         'qwen3': 'Qwen3ForCausalLM'}[model_type]],
+      'architectures': [
+          {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}[model_type]
+      ],
       'model_type': model_type,
       **_decoder_keys(meta, tensors, need, get, hidden, layers, heads, head_dim),
       'hidden_act': 'silu',
@@ -550,8 +533,8 @@ def _dense_config(
   if arch == 'llama':
     config['mlp_bias'] = False
     config['rope_scaling'], config['rope_freq_factors'] = _rope_freqs(
-        gguf_file, rope_theta, head_dim, rope_scaling,
-        get('rope.scaling.original_context_length'))
+        gguf_file, rope_theta, head_dim, rope_scaling, get('rope.scaling.original_context_length')
+    )
   if model_type == 'mistral':
     window = get('attention.sliding_window')
     config['sliding_window'] = int(window) if window else None
@@ -561,14 +544,11 @@ def _dense_config(
 def _is_mistral(meta: dict[str, Any]) -> bool:
   if meta.get('llama.attention.sliding_window'):
     return True
-  names = (meta.get(k) for k in ('general.name', 'general.basename',
-                                 'general.base_model.0.name'))
+  names = (meta.get(k) for k in ('general.name', 'general.basename', 'general.base_model.0.name'))
   return any(isinstance(n, str) and _MISTRAL_NAMES.search(n) for n in names)
 
 
-def _rope_scaling_from_metadata(
-    arch: str, get: Any, context: int
-) -> dict[str, Any] | None:
+def _rope_scaling_from_metadata(arch: str, get: Any, context: int) -> dict[str, Any] | None:
   """`rope_scaling` from `rope.scaling.*` (llama.cpp's default type: linear)."""
   kind = get('rope.scaling.type', 'linear')
   factor = get('rope.scaling.factor', get('rope.scale_linear'))
@@ -580,18 +560,19 @@ def _rope_scaling_from_metadata(
     scaling = {
         'rope_type': 'yarn',
         'factor': _f32(factor if factor else 1.0),
-        'original_max_position_embeddings': int(
-            get('rope.scaling.original_context_length', context)),
+        'original_max_position_embeddings': int(get('rope.scaling.original_context_length', context)),
     }
-    for hf_key, gguf_key in (('attention_factor', 'yarn_attn_factor'),
-                             ('beta_fast', 'yarn_beta_fast'),
-                             ('beta_slow', 'yarn_beta_slow')):
+    for hf_key, gguf_key in (
+        ('attention_factor', 'yarn_attn_factor'),
+        ('beta_fast', 'yarn_beta_fast'),
+        ('beta_slow', 'yarn_beta_slow'),
+    ):
       if (value := get(f'rope.scaling.{gguf_key}')) is not None:
         scaling[hf_key] = _f32(value)
     return scaling
   raise SpecjaxError(
-      f'unsupported {arch}.rope.scaling.type {kind!r} in GGUF metadata'
-      ' (supported: none, linear, yarn)')
+      f'unsupported {arch}.rope.scaling.type {kind!r} in GGUF metadata' ' (supported: none, linear, yarn)'
+  )
 
 
 def _rope_freqs(
@@ -607,8 +588,8 @@ def _rope_freqs(
     return rope_scaling, None
   if info.shape != (head_dim // 2,):
     raise SpecjaxError(
-        f'GGUF tensor {_ROPE_FREQS} has shape {info.shape}, expected'
-        f' ({head_dim // 2},) for head_dim {head_dim}')
+        f'GGUF tensor {_ROPE_FREQS} has shape {info.shape}, expected' f' ({head_dim // 2},) for head_dim {head_dim}'
+    )
   factors = _dequantize(gguf_file.raw(info), info.qtype, info.shape)
   if np.all(factors == 1.0):
     return rope_scaling, None
@@ -619,7 +600,11 @@ def _rope_freqs(
 
 
 def _llama3_factors(
-    theta: float, head_dim: int, factor: float, low: float, high: float,
+    theta: float,
+    head_dim: int,
+    factor: float,
+    low: float,
+    high: float,
     original: int,
 ) -> np.ndarray:
   """Per-frequency factors of HF's `llama3` rope (as the converter computes)."""
@@ -627,19 +612,22 @@ def _llama3_factors(
   wavelen = 2 * math.pi / inv_freq
   smooth = (original / wavelen - low) / (high - low)
   return np.where(
-      wavelen < original / high, 1.0,
-      np.where(wavelen > original / low, factor,
-               1.0 / ((1.0 - smooth) / factor + smooth)))
+      wavelen < original / high,
+      1.0,
+      np.where(wavelen > original / low, factor, 1.0 / ((1.0 - smooth) / factor + smooth)),
+  )
 
 
 def _match_llama3(
-    factors: np.ndarray, theta: float, head_dim: int,
+    factors: np.ndarray,
+    theta: float,
+    head_dim: int,
     original_context: int | None,
 ) -> dict[str, Any] | None:
   """The `llama3` rope_scaling whose factors equal `factors`, if one does."""
-  originals = tuple(dict.fromkeys(
-      ([int(original_context)] if original_context else [])
-      + list(_LLAMA3_ORIGINAL_CONTEXT)))
+  originals = tuple(
+      dict.fromkeys(([int(original_context)] if original_context else []) + list(_LLAMA3_ORIGINAL_CONTEXT))
+  )
   largest = float(np.max(factors))
   for factor in dict.fromkeys((largest, *_LLAMA3_FACTORS)):
     for original in originals:

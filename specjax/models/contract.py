@@ -52,8 +52,7 @@ class StepInputs:
   ) -> StepInputs:
     """A flattened tree: node i at position prefix + depth(i), written to cache slot prefix + i."""
     base = cache.lengths if cache is not None else (jnp.zeros_like(query_lens) if start is None else start)
-    inputs = cls._place(cache, base[:, None] + jnp.arange(depths.shape[1], dtype=jnp.int32)[None, :], query_lens,
-                        mask)
+    inputs = cls._place(cache, base[:, None] + jnp.arange(depths.shape[1], dtype=jnp.int32)[None, :], query_lens, mask)
     return dataclasses.replace(inputs, positions=(base[:, None] + depths).astype(jnp.int32))
 
   @classmethod
@@ -92,8 +91,9 @@ class CausalLM(Protocol):
   def embed(self, tokens: jax.Array) -> jax.Array:
     ...
 
-  def forward(self, tokens: jax.Array, inputs: StepInputs, cache: KVCache | None,
-              taps: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache | None, tuple[jax.Array, ...]]:
+  def forward(
+      self, tokens: jax.Array, inputs: StepInputs, cache: KVCache | None, taps: tuple[int, ...] = ()
+  ) -> tuple[jax.Array, KVCache | None, tuple[jax.Array, ...]]:
     ...
 
   def logits(self, hidden: jax.Array) -> jax.Array:

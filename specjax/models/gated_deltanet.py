@@ -148,7 +148,7 @@ def causal_conv1d(
   """
   length, width = x.shape[1], weight.shape[1]
   xs = jnp.concatenate([conv_state, x], axis=1).astype(jnp.float32)  # [B, W - 1 + T, C]
-  taps = jnp.stack([xs[:, j:j + length] for j in range(width)], axis=2)  # [B, T, W, C]
+  taps = jnp.stack([xs[:, j : j + length] for j in range(width)], axis=2)  # [B, T, W, C]
   y = jax.nn.silu(_einsum('btwc,cw->btc', taps, weight.astype(jnp.float32)))
 
   # The window ending at position e is xs[e + 1 : e + W]; e = min(t, len - 1) >= -1.

@@ -56,7 +56,9 @@ class Gemma3Config:
         layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
       unknown = sorted(set(layer_types) - {SLIDING, FULL})
       if unknown or len(layer_types) != layers:
-        raise SpecjaxError(f'gemma3 config: layer_types must list {layers} of {SLIDING!r}/{FULL!r}, got {unknown or len(layer_types)}')
+        raise SpecjaxError(
+            f'gemma3 config: layer_types must list {layers} of {SLIDING!r}/{FULL!r}, got {unknown or len(layer_types)}'
+        )
       scaling = hf.get('rope_scaling') or {}
       if scaling and scaling.get('rope_type', scaling.get('type')) not in ('linear', 'default'):
         raise SpecjaxError(f'gemma3 config: unsupported rope_scaling {scaling}')
@@ -98,15 +100,33 @@ class Gemma3Config:
         rope = Rope(base=self.rope_theta, kind='linear', factor=self.rope_scaling_factor)
       else:
         rope = Rope(base=self.rope_theta)
-      layers.append(AttentionSpec(
-          self.num_heads, self.num_kv_heads, self.head_dim, rope, scale=self.query_pre_attn_scalar**-0.5,
-          eps=self.rms_norm_eps, qk_norm=True, norm_offset=1.0, window=self.sliding_window if sliding else None,
-          softcap=self.attn_logit_softcapping))
+      layers.append(
+          AttentionSpec(
+              self.num_heads,
+              self.num_kv_heads,
+              self.head_dim,
+              rope,
+              scale=self.query_pre_attn_scalar**-0.5,
+              eps=self.rms_norm_eps,
+              qk_norm=True,
+              norm_offset=1.0,
+              window=self.sliding_window if sliding else None,
+              softcap=self.attn_logit_softcapping,
+          )
+      )
     return DecoderSpec(
-        vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-        layers=tuple(layers), activation=self.hidden_activation, norm_eps=self.rms_norm_eps, norm_offset=1.0,
-        sandwich_norms=True, embed_scale=True, tie_embeddings=self.tie_word_embeddings,
-        final_softcap=self.final_logit_softcapping)
+        vocab_size=self.vocab_size,
+        hidden_size=self.hidden_size,
+        intermediate_size=self.intermediate_size,
+        layers=tuple(layers),
+        activation=self.hidden_activation,
+        norm_eps=self.rms_norm_eps,
+        norm_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=True,
+        tie_embeddings=self.tie_word_embeddings,
+        final_softcap=self.final_logit_softcapping,
+    )
 
 
 def build(cfg: Gemma3Config, **kwargs) -> DecoderLM:

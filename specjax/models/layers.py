@@ -93,10 +93,10 @@ class Rope:
       high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
       wavelen = 2 * math.pi / inv
       smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-          self.high_freq_factor - self.low_freq_factor)
+          self.high_freq_factor - self.low_freq_factor
+      )
       smoothed = (1 - smooth) * inv / self.factor + smooth * inv
-      inv = np.where(wavelen > low_wavelen, inv / self.factor,
-                     np.where(wavelen < high_wavelen, inv, smoothed))
+      inv = np.where(wavelen > low_wavelen, inv / self.factor, np.where(wavelen < high_wavelen, inv, smoothed))
     elif self.kind == 'proportional':
       inv = np.where(np.arange(inv.size) < self.rope_angles, inv, 0.0) / self.factor
     elif self.kind != 'default':
@@ -187,8 +187,7 @@ class Attention(nnx.Module):
   `[D, (N + 2K (+ N)) * H]` matrix: one pass over the weights.
   """
 
-  def __init__(self, dim: int, spec: AttentionSpec, *, impl: str = 'auto', dtype=jnp.float32,
-               rngs: nnx.Rngs):
+  def __init__(self, dim: int, spec: AttentionSpec, *, impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs):
     n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
     q_cols = 2 * n if spec.output_gate else n
     self.qkv_proj = param(rngs, (dim, (q_cols + 2 * k) * h), dtype)  # query | key | value (| gate)
@@ -209,20 +208,33 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     n, k, h = s.num_heads, s.num_kv_heads, s.head_dim
     qkv = jnp.einsum('btd,de->bte', x, self.qkv_proj[...]).reshape(b, t, -1, h)
-    q, key, value = qkv[:, :, :n], qkv[:, :, n:n + k], qkv[:, :, n + k:n + 2 * k]
+    q, key, value = qkv[:, :, :n], qkv[:, :, n : n + k], qkv[:, :, n + k : n + 2 * k]
     if s.qk_norm:
       q, key = self.q_norm(q), self.k_norm(key)
     q, key = s.rope(q, inputs.positions), s.rope(key, inputs.positions)
     if kv is None:
       out = dense_attention(q, key, value, inputs, scale=s.scale, window=s.window, softcap=s.softcap)
     else:
-      kv = dataclasses.replace(kv, k_pages=write_kv(kv.k_pages, key, inputs.page_ids, inputs.page_slots),
-                               v_pages=write_kv(kv.v_pages, value, inputs.page_ids, inputs.page_slots))
-      out = paged_attention(q, kv.k_pages, kv.v_pages, kv.block_tables, kv.lengths, query_lens=inputs.query_lens,
-                            mask=inputs.mask, sliding_window=s.window, logit_softcap=s.softcap, scale=s.scale,
-                            impl=self.impl)
+      kv = dataclasses.replace(
+          kv,
+          k_pages=write_kv(kv.k_pages, key, inputs.page_ids, inputs.page_slots),
+          v_pages=write_kv(kv.v_pages, value, inputs.page_ids, inputs.page_slots),
+      )
+      out = paged_attention(
+          q,
+          kv.k_pages,
+          kv.v_pages,
+          kv.block_tables,
+          kv.lengths,
+          query_lens=inputs.query_lens,
+          mask=inputs.mask,
+          sliding_window=s.window,
+          logit_softcap=s.softcap,
+          scale=s.scale,
+          impl=self.impl,
+      )
     if s.output_gate:
-      out = out * jax.nn.sigmoid(qkv[:, :, n + 2 * k:])
+      out = out * jax.nn.sigmoid(qkv[:, :, n + 2 * k :])
     return jnp.einsum('bte,ed->btd', out.reshape(b, t, n * h), self.o_proj[...]), kv
 
 
@@ -245,8 +257,18 @@ class GatedMLP(nnx.Module):
 class MoE(nnx.Module):
   """Top-k routed SwiGLU experts (softmax router), optionally plus a sigmoid-gated shared expert."""
 
-  def __init__(self, dim: int, *, num_experts: int, top_k: int, hidden: int, shared_hidden: int = 0,
-               renormalize: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(
+      self,
+      dim: int,
+      *,
+      num_experts: int,
+      top_k: int,
+      hidden: int,
+      shared_hidden: int = 0,
+      renormalize: bool = True,
+      dtype=jnp.float32,
+      rngs: nnx.Rngs,
+  ):
     self.router = param(rngs, (dim, num_experts), dtype)
     self.gate_up = param(rngs, (num_experts, dim, 2 * hidden), dtype, fan_in=dim)
     self.down = param(rngs, (num_experts, hidden, dim), dtype, fan_in=hidden)
@@ -288,8 +310,17 @@ class DecoderBlock(nnx.Module):
   `sandwich=True` adds Gemma's post-norms on both branch outputs.
   """
 
-  def __init__(self, dim: int, mixer: nnx.Module, mlp: nnx.Module, *, eps: float, offset: float,
-               sandwich: bool = False, dtype=jnp.float32):
+  def __init__(
+      self,
+      dim: int,
+      mixer: nnx.Module,
+      mlp: nnx.Module,
+      *,
+      eps: float,
+      offset: float,
+      sandwich: bool = False,
+      dtype=jnp.float32,
+  ):
     norm = lambda: RMSNorm(dim, eps=eps, offset=offset, dtype=dtype)
     self.mixer_norm = norm()
     self.mixer = mixer

@@ -69,8 +69,9 @@ class LlamaConfig:
         layer_types = [SLIDING if window and i >= first else FULL for i in range(layers)]
       unknown = sorted(set(layer_types) - {SLIDING, FULL})
       if unknown or len(layer_types) != layers:
-        raise SpecjaxError(f'{where}: layer_types must list {layers} of {SLIDING!r}/{FULL!r}, '
-                           f'got {unknown or len(layer_types)}')
+        raise SpecjaxError(
+            f'{where}: layer_types must list {layers} of {SLIDING!r}/{FULL!r}, ' f'got {unknown or len(layer_types)}'
+        )
       if SLIDING in layer_types and not window:
         raise SpecjaxError(f'{where}: sliding_attention layers need a sliding_window')
       head_dim = int(hf.get('head_dim') or int(hf['hidden_size']) // heads)
@@ -95,20 +96,35 @@ class LlamaConfig:
     except KeyError as e:
       raise SpecjaxError(f'{where}: missing key {e.args[0]!r}') from None
     if cfg.num_heads % cfg.num_kv_heads:
-      raise SpecjaxError(f'{where}: num_attention_heads ({cfg.num_heads}) is not a multiple of '
-                         f'num_key_value_heads ({cfg.num_kv_heads})')
+      raise SpecjaxError(
+          f'{where}: num_attention_heads ({cfg.num_heads}) is not a multiple of '
+          f'num_key_value_heads ({cfg.num_kv_heads})'
+      )
     return cfg
 
   def decoder_spec(self) -> DecoderSpec:
     layers = tuple(
-        AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, self.rope, scale=self.head_dim**-0.5,
-                      eps=self.rms_norm_eps, qk_norm=self.qk_norm,
-                      window=self.sliding_window if t == SLIDING else None)
-        for t in self.layer_types)
+        AttentionSpec(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.rope,
+            scale=self.head_dim**-0.5,
+            eps=self.rms_norm_eps,
+            qk_norm=self.qk_norm,
+            window=self.sliding_window if t == SLIDING else None,
+        )
+        for t in self.layer_types
+    )
     return DecoderSpec(
-        vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-        layers=layers, activation=self.hidden_act, norm_eps=self.rms_norm_eps,
-        tie_embeddings=self.tie_word_embeddings)
+        vocab_size=self.vocab_size,
+        hidden_size=self.hidden_size,
+        intermediate_size=self.intermediate_size,
+        layers=layers,
+        activation=self.hidden_act,
+        norm_eps=self.rms_norm_eps,
+        tie_embeddings=self.tie_word_embeddings,
+    )
 
 
 def rope_from_hf(hf: dict[str, Any], where: str) -> Rope:
@@ -124,9 +140,14 @@ def rope_from_hf(hf: dict[str, Any], where: str) -> Rope:
     return Rope(base=base, kind='linear', factor=float(params['factor']), freq_factors=factors)
   if kind == 'llama3':
     try:
-      return Rope(base=base, kind='llama3', factor=float(params['factor']),
-                  low_freq_factor=float(params['low_freq_factor']), high_freq_factor=float(params['high_freq_factor']),
-                  original_max_position_embeddings=int(params['original_max_position_embeddings']))
+      return Rope(
+          base=base,
+          kind='llama3',
+          factor=float(params['factor']),
+          low_freq_factor=float(params['low_freq_factor']),
+          high_freq_factor=float(params['high_freq_factor']),
+          original_max_position_embeddings=int(params['original_max_position_embeddings']),
+      )
     except KeyError as e:
       raise SpecjaxError(f'{where}: llama3 rope scaling is missing {e.args[0]!r}') from None
   raise SpecjaxError(f'{where}: unsupported rope scaling {kind!r} (supported: default, linear, llama3)')

@@ -138,24 +138,38 @@ class Qwen35Config:
   def validate(self, model_type: str) -> None:
     where = f'{model_type} config'
     if self.linear_num_value_heads % self.linear_num_key_heads:
-      raise SpecjaxError(f'{where}: linear_num_value_heads ({self.linear_num_value_heads}) is not a multiple of '
-                         f'linear_num_key_heads ({self.linear_num_key_heads})')
+      raise SpecjaxError(
+          f'{where}: linear_num_value_heads ({self.linear_num_value_heads}) is not a multiple of '
+          f'linear_num_key_heads ({self.linear_num_key_heads})'
+      )
     if self.num_heads % self.num_kv_heads:
-      raise SpecjaxError(f'{where}: num_attention_heads ({self.num_heads}) is not a multiple of '
-                         f'num_key_value_heads ({self.num_kv_heads})')
+      raise SpecjaxError(
+          f'{where}: num_attention_heads ({self.num_heads}) is not a multiple of '
+          f'num_key_value_heads ({self.num_kv_heads})'
+      )
     if model_type in MOE_TYPES:
       if not 1 <= self.num_experts_per_tok <= self.num_experts:
-        raise SpecjaxError(f'{where}: num_experts_per_tok ({self.num_experts_per_tok}) must be in '
-                           f'1..num_experts ({self.num_experts})')
+        raise SpecjaxError(
+            f'{where}: num_experts_per_tok ({self.num_experts_per_tok}) must be in '
+            f'1..num_experts ({self.num_experts})'
+        )
       if self.moe_intermediate_size < 1:
         raise SpecjaxError(f'{where}: moe_intermediate_size must be positive, got {self.moe_intermediate_size}')
     if any(not m for m in self.moe_layers) and self.intermediate_size < 1:
       raise SpecjaxError(f'{where}: dense layers need intermediate_size, got {self.intermediate_size}')
 
   def attention_spec(self) -> AttentionSpec:
-    return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
-                         Rope(base=self.rope_theta, rotary_dim=self.rotary_dim), scale=self.head_dim**-0.5,
-                         eps=self.rms_norm_eps, qk_norm=True, norm_offset=1.0, output_gate=True)
+    return AttentionSpec(
+        self.num_heads,
+        self.num_kv_heads,
+        self.head_dim,
+        Rope(base=self.rope_theta, rotary_dim=self.rotary_dim),
+        scale=self.head_dim**-0.5,
+        eps=self.rms_norm_eps,
+        qk_norm=True,
+        norm_offset=1.0,
+        output_gate=True,
+    )
 
 
 class GatedDeltaNet(nnx.Module):
@@ -187,8 +201,7 @@ class GatedDeltaNet(nnx.Module):
     nk, nv, dk, dv = self.dims
     proj = jnp.einsum('btd,de->bte', x, self.in_proj[...])
     mixed, z, beta, a = jnp.split(proj, np.cumsum([self.conv_dim, nv * dv, nv]), axis=-1)
-    pick = lambda slots: jnp.take_along_axis(
-        slots, state_slot.reshape((b,) + (1,) * (slots.ndim - 1)), axis=1)[:, 0]
+    pick = lambda slots: jnp.take_along_axis(slots, state_slot.reshape((b,) + (1,) * (slots.ndim - 1)), axis=1)[:, 0]
     mixed, windows = gdn.causal_conv1d(mixed, pick(conv), self.conv_weight[...], query_lens)
     q, k, v = jnp.split(mixed, [nk * dk, 2 * nk * dk], axis=-1)
     q, k, v = q.reshape(b, t, nk, dk), k.reshape(b, t, nk, dk), v.reshape(b, t, nv, dv)
@@ -216,9 +229,16 @@ def _block(cfg: Qwen35Config, layer_type: str, moe: bool, attention_impl: str, d
   else:
     mixer = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
   if moe:
-    mlp = MoE(d, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.moe_intermediate_size,
-              shared_hidden=cfg.shared_expert_intermediate_size, renormalize=cfg.norm_topk_prob, dtype=dtype,
-              rngs=rngs)
+    mlp = MoE(
+        d,
+        num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok,
+        hidden=cfg.moe_intermediate_size,
+        shared_hidden=cfg.shared_expert_intermediate_size,
+        renormalize=cfg.norm_topk_prob,
+        dtype=dtype,
+        rngs=rngs,
+    )
   else:
     mlp = GatedMLP(d, cfg.intermediate_size, activation='silu', dtype=dtype, rngs=rngs)
   return DecoderBlock(d, mixer, mlp, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype)
@@ -232,8 +252,9 @@ class MTPHead(nnx.Module):
   shared (passed in, not owned).
   """
 
-  def __init__(self, cfg: Qwen35Config, *, attention_impl: str = 'auto', dtype=jnp.float32,
-               rngs: nnx.Rngs | None = None):
+  def __init__(
+      self, cfg: Qwen35Config, *, attention_impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs | None = None
+  ):
     rngs = rngs or nnx.Rngs(0)
     d = cfg.hidden_size
     norm = lambda: RMSNorm(d, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype)
@@ -268,13 +289,18 @@ class MTPHead(nnx.Module):
 class Qwen35(ChainAppend, nnx.Module):
   """Qwen3.5 / Qwen3-Next causal LM (`specjax.models.contract.CausalLM`)."""
 
-  def __init__(self, cfg: Qwen35Config, *, attention_impl: str = 'auto', dtype=jnp.float32,
-               rngs: nnx.Rngs | None = None):
+  def __init__(
+      self, cfg: Qwen35Config, *, attention_impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs | None = None
+  ):
     rngs = rngs or nnx.Rngs(0)
     self.cfg = cfg
     self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, fan_in=cfg.hidden_size)
-    self.layers = nnx.List([_block(cfg, t, m, attention_impl, dtype, rngs)
-                            for t, m in zip(cfg.layer_types, cfg.moe_layers or (False,) * cfg.num_layers)])
+    self.layers = nnx.List(
+        [
+            _block(cfg, t, m, attention_impl, dtype, rngs)
+            for t, m in zip(cfg.layer_types, cfg.moe_layers or (False,) * cfg.num_layers)
+        ]
+    )
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
@@ -283,10 +309,13 @@ class Qwen35(ChainAppend, nnx.Module):
     """(kv heads, head dim) of each attention layer; per-row (ssm, conv) shapes of each Gated DeltaNet layer."""
     c = self.cfg
     ssm = (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-    conv = (c.linear_conv_kernel_dim - 1, 2 * c.linear_num_key_heads * c.linear_key_head_dim
-            + c.linear_num_value_heads * c.linear_value_head_dim)
-    return CacheLayout(((c.num_kv_heads, c.head_dim),) * c.layer_types.count(FULL),
-                       ((ssm, conv),) * c.layer_types.count(LINEAR))
+    conv = (
+        c.linear_conv_kernel_dim - 1,
+        2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim,
+    )
+    return CacheLayout(
+        ((c.num_kv_heads, c.head_dim),) * c.layer_types.count(FULL), ((ssm, conv),) * c.layer_types.count(LINEAR)
+    )
 
   def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     return jnp.take(self.embed_tokens[...], tokens, axis=0)
@@ -342,8 +371,14 @@ class Qwen35(ChainAppend, nnx.Module):
       recurrent = t <= cache.num_slots
       slot = jnp.maximum(inputs.query_lens - 1, 0) if recurrent else jnp.zeros_like(inputs.query_lens)
       cache = dataclasses.replace(
-          cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens, ssm=tuple(ssm_all),
-          conv=tuple(conv_all), state_slot=slot.astype(jnp.int32))
+          cache,
+          k_pages=tuple(k_all),
+          v_pages=tuple(v_all),
+          lengths=kv_lens,
+          ssm=tuple(ssm_all),
+          conv=tuple(conv_all),
+          state_slot=slot.astype(jnp.int32),
+      )
     return self.norm(x), cache, tuple(tapped[i] for i in taps)
 
   def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
@@ -368,8 +403,12 @@ def _gdn_params(cfg: Qwen35Config, take, p: str) -> dict:
     rows = [q, k, v, z, ba[:, :r], ba[:, r:]]
     rows = [x.reshape(-1, d) for x in rows]
   else:
-    rows = [take(p + 'in_proj_qkv.weight', (conv_dim, d)), take(p + 'in_proj_z.weight', (nv * dv, d)),
-            take(p + 'in_proj_b.weight', (nv, d)), take(p + 'in_proj_a.weight', (nv, d))]
+    rows = [
+        take(p + 'in_proj_qkv.weight', (conv_dim, d)),
+        take(p + 'in_proj_z.weight', (nv * dv, d)),
+        take(p + 'in_proj_b.weight', (nv, d)),
+        take(p + 'in_proj_a.weight', (nv, d)),
+    ]
   return {
       'in_proj': np.concatenate(rows).T,
       'conv_weight': take(p + 'conv1d.weight', (conv_dim, 1, cfg.linear_conv_kernel_dim))[:, 0],
@@ -384,9 +423,14 @@ def _attention_params(cfg: Qwen35Config, take, p: str) -> dict:
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   query_gate = take(p + 'q_proj.weight', (2 * n * h, d)).reshape(n, 2, h, d)  # per head: query rows, gate rows
   return {
-      'qkv_proj': np.concatenate([
-          query_gate[:, 0].reshape(n * h, d), take(p + 'k_proj.weight', (k * h, d)),
-          take(p + 'v_proj.weight', (k * h, d)), query_gate[:, 1].reshape(n * h, d)]).T,
+      'qkv_proj': np.concatenate(
+          [
+              query_gate[:, 0].reshape(n * h, d),
+              take(p + 'k_proj.weight', (k * h, d)),
+              take(p + 'v_proj.weight', (k * h, d)),
+              query_gate[:, 1].reshape(n * h, d),
+          ]
+      ).T,
       'o_proj': take(p + 'o_proj.weight', (d, n * h)).T,
       'q_norm': {'scale': take(p + 'q_norm.weight', (h,))},
       'k_norm': {'scale': take(p + 'k_norm.weight', (h,))},
@@ -416,11 +460,15 @@ def _block_params(cfg: Qwen35Config, take, tensors, p: str, layer_type: str, moe
   d = cfg.hidden_size
   return {
       'mixer_norm': {'scale': take(p + 'input_layernorm.weight', (d,))},
-      'mixer': (_attention_params(cfg, take, p + 'self_attn.') if layer_type == FULL
-                else _gdn_params(cfg, take, p + 'linear_attn.')),
+      'mixer': (
+          _attention_params(cfg, take, p + 'self_attn.')
+          if layer_type == FULL
+          else _gdn_params(cfg, take, p + 'linear_attn.')
+      ),
       'mlp_norm': {'scale': take(p + 'post_attention_layernorm.weight', (d,))},
-      'mlp': (_moe_params(cfg, take, tensors, p + 'mlp.') if moe
-              else mlp_params(take, p + 'mlp.', d, cfg.intermediate_size)),
+      'mlp': (
+          _moe_params(cfg, take, tensors, p + 'mlp.') if moe else mlp_params(take, p + 'mlp.', d, cfg.intermediate_size)
+      ),
   }
 
 
@@ -428,7 +476,7 @@ def _rename_multimodal(tensors: dict[str, np.ndarray]) -> None:
   """Text-model names for the multimodal wrapper's `model.language_model.*`; drops the vision tower."""
   for name in list(tensors):
     if name.startswith('model.language_model.'):
-      tensors['model.' + name[len('model.language_model.'):]] = tensors.pop(name)
+      tensors['model.' + name[len('model.language_model.') :]] = tensors.pop(name)
     elif name.startswith(('model.visual.', 'visual.')):
       del tensors[name]  # the vision tower of the multimodal checkpoints is not used
 
@@ -441,8 +489,10 @@ def params_from_hf(cfg: Qwen35Config, tensors: dict[str, np.ndarray]) -> dict[st
   moe_layers = cfg.moe_layers or (False,) * cfg.num_layers
   params = {
       'embed_tokens': take('model.embed_tokens.weight', (cfg.vocab_size, d)),
-      'layers': {i: _block_params(cfg, take, tensors, f'model.layers.{i}.', t, m)
-                 for i, (t, m) in enumerate(zip(cfg.layer_types, moe_layers))},
+      'layers': {
+          i: _block_params(cfg, take, tensors, f'model.layers.{i}.', t, m)
+          for i, (t, m) in enumerate(zip(cfg.layer_types, moe_layers))
+      },
       'norm': {'scale': take('model.norm.weight', (d,))},
   }
   if cfg.tie_word_embeddings:

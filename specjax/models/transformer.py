@@ -45,17 +45,27 @@ class DecoderLM(ChainAppend, nnx.Module):
   at one token); the lookup gathers columns.
   """
 
-  def __init__(self, spec: DecoderSpec, *, attention_impl: str = 'auto', dtype=jnp.float32,
-               rngs: nnx.Rngs | None = None):
+  def __init__(
+      self, spec: DecoderSpec, *, attention_impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs | None = None
+  ):
     rngs = rngs or nnx.Rngs(0)
     d = spec.hidden_size
     self.spec = spec
     self.embed_tokens = param(rngs, (d, spec.vocab_size), dtype)
-    self.layers = nnx.List([
-        DecoderBlock(d, Attention(d, a, impl=attention_impl, dtype=dtype, rngs=rngs),
-                     GatedMLP(d, spec.intermediate_size, activation=spec.activation, dtype=dtype, rngs=rngs),
-                     eps=spec.norm_eps, offset=spec.norm_offset, sandwich=spec.sandwich_norms, dtype=dtype)
-        for a in spec.layers])
+    self.layers = nnx.List(
+        [
+            DecoderBlock(
+                d,
+                Attention(d, a, impl=attention_impl, dtype=dtype, rngs=rngs),
+                GatedMLP(d, spec.intermediate_size, activation=spec.activation, dtype=dtype, rngs=rngs),
+                eps=spec.norm_eps,
+                offset=spec.norm_offset,
+                sandwich=spec.sandwich_norms,
+                dtype=dtype,
+            )
+            for a in spec.layers
+        ]
+    )
     self.norm = RMSNorm(d, eps=spec.norm_eps, offset=spec.norm_offset, dtype=dtype)
     if not spec.tie_embeddings:
       self.lm_head = param(rngs, (d, spec.vocab_size), dtype)
@@ -115,17 +125,24 @@ def block_params(take, p: str, spec: AttentionSpec, d: int, f: int, *, sandwich:
   n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
   norm = lambda name, dim: {'scale': take(p + name + '.weight', (dim,))}
   attn = {
-      'qkv_proj': np.concatenate([take(p + 'self_attn.q_proj.weight', (n * h, d)),
-                                  take(p + 'self_attn.k_proj.weight', (k * h, d)),
-                                  take(p + 'self_attn.v_proj.weight', (k * h, d))]).T,
+      'qkv_proj': np.concatenate(
+          [
+              take(p + 'self_attn.q_proj.weight', (n * h, d)),
+              take(p + 'self_attn.k_proj.weight', (k * h, d)),
+              take(p + 'self_attn.v_proj.weight', (k * h, d)),
+          ]
+      ).T,
       'o_proj': take(p + 'self_attn.o_proj.weight', (d, n * h)).T,
   }
   if spec.qk_norm:
     attn['q_norm'] = norm('self_attn.q_norm', h)
     attn['k_norm'] = norm('self_attn.k_norm', h)
   # HF names of the (pre-attention, pre-MLP[, post-attention, post-MLP]) norms.
-  names = (('input_layernorm', 'pre_feedforward_layernorm', 'post_attention_layernorm',
-                          'post_feedforward_layernorm') if sandwich else ('input_layernorm', 'post_attention_layernorm'))
+  names = (
+      ('input_layernorm', 'pre_feedforward_layernorm', 'post_attention_layernorm', 'post_feedforward_layernorm')
+      if sandwich
+      else ('input_layernorm', 'post_attention_layernorm')
+  )
   params = {
       'mixer_norm': norm(names[0], d),
       'mixer': attn,
@@ -151,9 +168,10 @@ def decoder_params(spec: DecoderSpec, take, tensors: dict) -> dict:
   d = spec.hidden_size
   params = {
       'embed_tokens': take('model.embed_tokens.weight', (spec.vocab_size, d)).T,
-      'layers': {i: block_params(take, f'model.layers.{i}.', a, d, spec.intermediate_size,
-                                 sandwich=spec.sandwich_norms)
-                 for i, a in enumerate(spec.layers)},
+      'layers': {
+          i: block_params(take, f'model.layers.{i}.', a, d, spec.intermediate_size, sandwich=spec.sandwich_norms)
+          for i, a in enumerate(spec.layers)
+      },
       'norm': {'scale': take('model.norm.weight', (d,))},
   }
   if spec.tie_embeddings:

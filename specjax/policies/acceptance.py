@@ -40,6 +40,7 @@ class AcceptanceEstimator:
   the drafter drafted ahead and the host knows each row's pending draft
   length p, the sum stops at min(K, p).
   """
+
   positions: int  # D, the draft positions estimated (the deepest candidate)
   alpha: float = 0.1
   stale_rate: float = 0.1
@@ -48,8 +49,12 @@ class AcceptanceEstimator:
 
   def init(self) -> AcceptanceState:
     d = self.positions
-    return AcceptanceState(accept=np.full(d, self.prior), accept_n=np.zeros(d, np.int64),
-                           batch_n=np.zeros(d, np.int64), stale=np.zeros(d, np.int64))
+    return AcceptanceState(
+        accept=np.full(d, self.prior),
+        accept_n=np.zeros(d, np.int64),
+        batch_n=np.zeros(d, np.int64),
+        stale=np.zeros(d, np.int64),
+    )
 
   def begin(self, state: AcceptanceState) -> AcceptanceState:
     return dataclasses.replace(state, batch_n=np.zeros_like(state.batch_n))
@@ -73,8 +78,9 @@ class AcceptanceEstimator:
         a[j] = w * a[j] + (1.0 - w) * a[j - 1]
     return a
 
-  def expected_tokens(self, state: AcceptanceState, ks: np.ndarray,
-                      pending: np.ndarray | None = None) -> np.ndarray:  # [len(ks)]
+  def expected_tokens(
+      self, state: AcceptanceState, ks: np.ndarray, pending: np.ndarray | None = None
+  ) -> np.ndarray:  # [len(ks)]
     """E(K) per depth in `ks`: tokens a row emits in a step of depth K (mean over rows with `pending` drafts)."""
     gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance(state)))])  # [D + 1]
     ks = np.asarray(ks)
@@ -82,8 +88,9 @@ class AcceptanceEstimator:
       return gain[ks]
     return gain[np.minimum(ks[:, None], np.asarray(pending).reshape(1, -1))].mean(1)
 
-  def observe(self, state: AcceptanceState, k: int, accepted: np.ndarray, drafted: np.ndarray,
-              ahead: bool) -> AcceptanceState:
+  def observe(
+      self, state: AcceptanceState, k: int, accepted: np.ndarray, drafted: np.ndarray, ahead: bool
+  ) -> AcceptanceState:
     """A depth-k step: accepted [rows], drafted [rows]; `ahead`: drafts were known before the step (a row
     without a draft at a position then does not observe it; else it counts as a rejection there)."""
     depth = np.arange(1, k + 1)[:, None]  # [k, 1]

@@ -29,6 +29,7 @@ from specjax.errors import SpecjaxError
 
 class Policy:
   """Chooses the draft depth K of each step from `candidates` (see the module docstring)."""
+
   name: str = 'policy'
   candidates: tuple[int, ...] = ()
 
@@ -42,15 +43,24 @@ class Policy:
   def choose(self, state: Any, live: int, pending: np.ndarray | None = None) -> int:
     raise NotImplementedError
 
-  def observe(self, state: Any, k: int, accepted: np.ndarray, step_s: float, live: int,
-              drafted: np.ndarray | None = None, width: int | None = None,
-              pending: np.ndarray | None = None) -> Any:
+  def observe(
+      self,
+      state: Any,
+      k: int,
+      accepted: np.ndarray,
+      step_s: float,
+      live: int,
+      drafted: np.ndarray | None = None,
+      width: int | None = None,
+      pending: np.ndarray | None = None,
+  ) -> Any:
     return state
 
 
 @dataclasses.dataclass(frozen=True)
 class Fixed(Policy):
   """Always K."""
+
   k: int = 4
   name: str = 'fixed'
 
@@ -69,6 +79,7 @@ class Fixed(Policy):
 @dataclasses.dataclass(frozen=True)
 class Load(Policy):
   """`full` drafts while at most `threshold` sequences are live, min(reduced, full) above."""
+
   full: int = 8
   reduced: int = 3
   threshold: int = 8
@@ -76,8 +87,10 @@ class Load(Policy):
 
   def __post_init__(self):
     if self.full < 1 or self.reduced < 1 or self.threshold < 1:
-      raise SpecjaxError(f'load policy needs full, reduced and threshold >= 1, got '
-                         f'full={self.full} reduced={self.reduced} threshold={self.threshold}')
+      raise SpecjaxError(
+          f'load policy needs full, reduced and threshold >= 1, got '
+          f'full={self.full} reduced={self.reduced} threshold={self.threshold}'
+      )
 
   @property
   def candidates(self) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ def check_candidates(candidates: Sequence[int], max_depth: int) -> tuple[int, ..
   out = tuple(sorted({int(k) for k in candidates}))
   bad = [k for k in out if not 1 <= k <= max_depth]
   if not out or bad:
-    raise SpecjaxError(f'candidate depths {tuple(candidates)} are outside the drafter\'s limits 1..{max_depth}')
+    raise SpecjaxError(f"candidate depths {tuple(candidates)} are outside the drafter's limits 1..{max_depth}")
   return out
 
 
@@ -25,6 +25,7 @@ def candidates_for(family: str, options: Any = None, *, max_depth: int = 8) -> t
   size, caps them); a candidate above the cap becomes the cap.
   """
   from specjax import drafters  # pylint: disable=g-import-not-at-top  (registers the families)
+
   if family not in drafters.REGISTRY:
     raise SpecjaxError(f'unknown drafter family {family!r} (known: {", ".join(drafters.REGISTRY)})')
   return drafters.REGISTRY[family].candidates(options, max_depth=max_depth)

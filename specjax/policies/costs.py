@@ -35,7 +35,6 @@ def linear(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
   return y
 
 
-
 def _nearest(bucket: int) -> list[int]:
   """Live buckets by distance from `bucket` (ties: the smaller)."""
   return sorted(range(LIVE_BUCKETS), key=lambda x: (abs(x - bucket), x))
@@ -59,14 +58,16 @@ class CostModel:
   in the width through the measured ones (with fewer than two in a bucket, the
   nearest bucket's shape); before any step, the cost is the width itself.
   """
+
   max_width: int  # W, the widest verify pass priced
   level_alpha: float = 0.3
   shape_alpha: float = 0.1
 
   def init(self) -> CostState:
     w = self.max_width
-    return CostState(level=np.zeros(LIVE_BUCKETS), shape=np.zeros((LIVE_BUCKETS, w)),
-                     shape_n=np.zeros((LIVE_BUCKETS, w), np.int64))
+    return CostState(
+        level=np.zeros(LIVE_BUCKETS), shape=np.zeros((LIVE_BUCKETS, w)), shape_n=np.zeros((LIVE_BUCKETS, w), np.int64)
+    )
 
   def step_times(self, state: CostState, widths: np.ndarray, live: int) -> np.ndarray:  # [len(widths)]
     """Expected seconds of a step of each verified width at this live batch size."""
@@ -113,6 +114,7 @@ class CostTable:
   extrapolated (one width: the same seconds for all), never below a tenth of
   the cheapest listed step.
   """
+
   seconds: tuple[tuple[int, float], ...]  # (width, seconds), widths ascending
 
   def __post_init__(self):
@@ -135,8 +137,9 @@ def step_pricer(costs: Costs | None) -> Callable[[int, int], float] | None:
     return costs
   if isinstance(costs, Mapping):
     return CostTable(tuple(costs.items()))
-  raise SpecjaxError(f'costs must be a mapping width -> seconds or a callable (width, live) -> seconds, '
-                     f'got {type(costs).__name__}')
+  raise SpecjaxError(
+      f'costs must be a mapping width -> seconds or a callable (width, live) -> seconds, ' f'got {type(costs).__name__}'
+  )
 
 
 class StepCosts:

@@ -48,8 +48,16 @@ def _from_env(value: str) -> tuple[str, int | None, tuple[int, ...] | None]:
   return name, depths[0], None
 
 
-def make_policy(name: str, *, family: str, candidates: Sequence[int] | None = None, k: int | None = None,
-                max_depth: int = 8, options: Any = None, **kw) -> Policy:
+def make_policy(
+    name: str,
+    *,
+    family: str,
+    candidates: Sequence[int] | None = None,
+    k: int | None = None,
+    max_depth: int = 8,
+    options: Any = None,
+    **kw,
+) -> Policy:
   """Builds 'fixed' (depth k), 'tuner' or 'load' (full depth k) for a drafter family.
 
   Candidates default to `candidates_for(family, options)` (the drafter

@@ -55,16 +55,23 @@ class SimResult:
 def _replay_step(outcomes: np.ndarray, pos: int, k: int, unknown_accepts: bool) -> tuple[int, int]:
   """(accepted, drafted) of a step at depth k from position pos."""
   window = np.full(k, UNKNOWN, np.int8)
-  seen = outcomes[pos:pos + k]
-  window[:len(seen)] = seen
+  seen = outcomes[pos : pos + k]
+  window[: len(seen)] = seen
   ok = (window == ACCEPT) | (unknown_accepts & (window == UNKNOWN))
   accepted = int(np.cumprod(ok).sum())
   return accepted, accepted if accepted < k and window[accepted] == NONE else k
 
 
-def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
-             cost: Callable[[int, int], float] | None = None, censored: str = 'reject',
-             width_cost: Callable[[int, int], float] | None = None, state: Any = None) -> SimResult:
+def simulate(
+    policy: Policy,
+    trace: Trace,
+    *,
+    batch: int | None = None,
+    cost: Callable[[int, int], float] | None = None,
+    censored: str = 'reject',
+    width_cost: Callable[[int, int], float] | None = None,
+    state: Any = None,
+) -> SimResult:
   """Replays `trace` under `policy`, no model involved.
 
   Sequences run in consecutive static batches of `batch` (default: all at
@@ -110,8 +117,9 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
         pending = np.array([trace.pending[i][len(out.accepted[i])] for i in live_rows])
       elif ahead:  # drafts known ahead: the draft lengths at the deepest candidate
         deepest = max(policy.candidates)
-        pending = np.array([_replay_step(trace.outcomes[i], pos[i], deepest, censored == 'accept')[1]
-                            for i in live_rows])
+        pending = np.array(
+            [_replay_step(trace.outcomes[i], pos[i], deepest, censored == 'accept')[1] for i in live_rows]
+        )
       k = policy.choose(state, live, pending)
       if k not in policy.candidates:
         raise SpecjaxError(f'policy {policy.name} chose K={k}, not among its candidates {policy.candidates}')
@@ -141,12 +149,20 @@ def simulate(policy: Policy, trace: Trace, *, batch: int | None = None,
   return out
 
 
-def oracle_best_fixed(trace: Trace, candidates: Sequence[int], *, batch: int | None = None,
-                      cost: Callable[[int, int], float] | None = None, censored: str = 'reject',
-                      width_cost: Callable[[int, int], float] | None = None) -> tuple[int, dict[int, float]]:
+def oracle_best_fixed(
+    trace: Trace,
+    candidates: Sequence[int],
+    *,
+    batch: int | None = None,
+    cost: Callable[[int, int], float] | None = None,
+    censored: str = 'reject',
+    width_cost: Callable[[int, int], float] | None = None,
+) -> tuple[int, dict[int, float]]:
   """The fixed K with the most simulated tokens/s (ties: the smaller K), and tokens/s per K."""
-  rates = {k: simulate(Fixed(k), trace, batch=batch, cost=cost, censored=censored,
-                       width_cost=width_cost).tokens_per_s for k in sorted(set(candidates))}
+  rates = {
+      k: simulate(Fixed(k), trace, batch=batch, cost=cost, censored=censored, width_cost=width_cost).tokens_per_s
+      for k in sorted(set(candidates))
+  }
   return max(rates, key=lambda k: (rates[k], -k)), rates
 
 

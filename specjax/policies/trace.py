@@ -25,6 +25,7 @@ ACCEPT, REJECT, UNKNOWN, NONE = 1, 0, -1, -2
 @dataclasses.dataclass
 class Trace:
   """Per-position acceptance outcomes of a set of sequences (see the module docstring)."""
+
   outcomes: list[np.ndarray]  # per sequence [P] int8: ACCEPT / REJECT / UNKNOWN / NONE; past the end: UNKNOWN
   lengths: list[int]  # tokens each sequence emits in decode steps
   steps: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)  # recorded (K, seconds, live)
@@ -67,5 +68,10 @@ def trace_from_stats(results: Sequence[Any], stats: Any) -> Trace:
     outcomes.append(np.asarray(row, np.int8))
     lengths.append(length)
   pending = [list(r.spec.pending_per_step) for r in results]
-  return Trace(outcomes, lengths, list(stats.steps), [list(r.spec.drafted_per_step) for r in results],
-               pending if any(pending) else [])
+  return Trace(
+      outcomes,
+      lengths,
+      list(stats.steps),
+      [list(r.spec.drafted_per_step) for r in results],
+      pending if any(pending) else [],
+  )

@@ -64,6 +64,7 @@ class Tuner(Policy):
   at the current live bucket. No randomness: replays repeat exactly. The state
   can be carried across requests (`Engine.generate(policy_state=...)`).
   """
+
   candidates: tuple[int, ...] = (2, 4, 6, 8)
   alpha: float = 0.1
   level_alpha: float = 0.3
@@ -83,16 +84,19 @@ class Tuner(Policy):
       raise SpecjaxError(f'tuner needs candidate depths >= 1, got {tuple(self.candidates)}')
     object.__setattr__(self, 'candidates', candidates)
     rates = (self.alpha, self.level_alpha, self.shape_alpha)
-    if not (all(0 < r <= 1 for r in rates) and 0 <= self.prior <= 1 and 0 <= self.stale_rate < 1
-            and self.carry >= 0):
-      raise SpecjaxError(f'tuner needs 0 < alpha, level_alpha, shape_alpha <= 1, 0 <= stale_rate < 1, '
-                         f'carry >= 0 and 0 <= prior <= 1, got alpha={self.alpha} level_alpha={self.level_alpha} '
-                         f'shape_alpha={self.shape_alpha} stale_rate={self.stale_rate} carry={self.carry} '
-                         f'prior={self.prior}')
+    if not (all(0 < r <= 1 for r in rates) and 0 <= self.prior <= 1 and 0 <= self.stale_rate < 1 and self.carry >= 0):
+      raise SpecjaxError(
+          f'tuner needs 0 < alpha, level_alpha, shape_alpha <= 1, 0 <= stale_rate < 1, '
+          f'carry >= 0 and 0 <= prior <= 1, got alpha={self.alpha} level_alpha={self.level_alpha} '
+          f'shape_alpha={self.shape_alpha} stale_rate={self.stale_rate} carry={self.carry} '
+          f'prior={self.prior}'
+      )
     if self.explore_every < 0 or self.explore_every == 1 or self.margin < 0 or self.warmup_tries < 1:
-      raise SpecjaxError(f'tuner needs explore_every = 0 or >= 2, margin >= 0 and warmup_tries >= 1, got '
-                         f'explore_every={self.explore_every} margin={self.margin} '
-                         f'warmup_tries={self.warmup_tries}')
+      raise SpecjaxError(
+          f'tuner needs explore_every = 0 or >= 2, margin >= 0 and warmup_tries >= 1, got '
+          f'explore_every={self.explore_every} margin={self.margin} '
+          f'warmup_tries={self.warmup_tries}'
+      )
     object.__setattr__(self, 'costs', step_pricer(self.costs))
     d = candidates[-1]
     object.__setattr__(self, 'estimator', AcceptanceEstimator(d, self.alpha, self.stale_rate, self.carry, self.prior))
@@ -100,8 +104,14 @@ class Tuner(Policy):
 
   def init(self) -> TunerState:
     c = len(self.candidates)
-    return TunerState(step=0, current=-1, acceptance=self.estimator.init(), cost=self.cost_model.init(),
-                      drafted_steps=np.zeros(c, np.int64), last_tried=np.full((LIVE_BUCKETS, c), -1, np.int64))
+    return TunerState(
+        step=0,
+        current=-1,
+        acceptance=self.estimator.init(),
+        cost=self.cost_model.init(),
+        drafted_steps=np.zeros(c, np.int64),
+        last_tried=np.full((LIVE_BUCKETS, c), -1, np.int64),
+    )
 
   def begin(self, state: TunerState, rows: int) -> TunerState:
     return dataclasses.replace(state, acceptance=self.estimator.begin(state.acceptance))
@@ -145,9 +155,17 @@ class Tuner(Policy):
       best = current
     return self.candidates[best]
 
-  def observe(self, state: TunerState, k: int, accepted: np.ndarray, step_s: float, live: int,
-              drafted: np.ndarray | None = None, width: int | None = None,
-              pending: np.ndarray | None = None) -> TunerState:
+  def observe(
+      self,
+      state: TunerState,
+      k: int,
+      accepted: np.ndarray,
+      step_s: float,
+      live: int,
+      drafted: np.ndarray | None = None,
+      width: int | None = None,
+      pending: np.ndarray | None = None,
+  ) -> TunerState:
     """One step's outcome: accepted [rows], step_s (replaced by `costs(width, live)` when costs are
     injected), drafted [rows] (None: every row drafted K), the positions its verify pass ran (None: K + 1),
     and the pending draft lengths `choose` was told (None: not known ahead; a row without a draft at a

@@ -128,12 +128,16 @@ def analyze(records: list[dict]) -> dict:
     if category == ALL and len(categories_by_setting[setting]) < 2:
       continue
     requests = [r for rs in by_cell.values() for r in rs]
-    base = [baselines[(r['baseline'], r['request_id'])] for r in requests
-            if (r['baseline'], r['request_id']) in baselines]
+    base = [
+        baselines[(r['baseline'], r['request_id'])] for r in requests if (r['baseline'], r['request_id']) in baselines
+    ]
     base = list({(b['baseline'], b['request_id']): b for b in base}.values())
     ar_tokens, ar_seconds = _throughput(base, 'baseline')
-    ar = {'tok_s': ar_tokens / ar_seconds if ar_seconds else None,
-          'step_s': _mean(s for b in base for s in b['step_s']), 'requests': len(base)}
+    ar = {
+        'tok_s': ar_tokens / ar_seconds if ar_seconds else None,
+        'step_s': _mean(s for b in base for s in b['step_s']),
+        'requests': len(base),
+    }
     ar['step_ms'] = ar['step_s'] * 1e3 if ar['step_s'] else None
     step_costs = collections.defaultdict(list)
     for r in requests:
@@ -143,8 +147,18 @@ def analyze(records: list[dict]) -> dict:
     fit = fit_acceptance(_steps(requests))
     rows = [_policy_row(cells[cid]['policy'], cells[cid], rs, fit, costs, ar) for cid, rs in by_cell.items()]
     rows.sort(key=lambda row: (row['k'] is None, row['k'] or 0, row['policy']))
-    groups.append({'setting': setting, 'category': category, 'ar': ar, 'rows': rows, 'fit': fit,
-                   'costs': costs, 'simulation': simulate_group(by_cell, cells), 'twins': _twins(rows)})
+    groups.append(
+        {
+            'setting': setting,
+            'category': category,
+            'ar': ar,
+            'rows': rows,
+            'fit': fit,
+            'costs': costs,
+            'simulation': simulate_group(by_cell, cells),
+            'twins': _twins(rows),
+        }
+    )
     if category != ALL:
       for cid, rs in by_cell.items():
         if not cells[cid]['greedy']:
@@ -161,7 +175,7 @@ def _twins(rows: list[dict]) -> list[tuple[str, str, float]]:
   """Policies that ran the very same steps (e.g. load = K=8 at batch 1): their tokens/s gap is timing noise."""
   out = []
   for i, a in enumerate(rows):
-    for b in rows[i + 1:]:
+    for b in rows[i + 1 :]:
       if a['trajectories'] == b['trajectories'] and a['tok_s'] and b['tok_s']:
         out.append((a['policy'], b['policy'], abs(a['tok_s'] - b['tok_s']) / max(a['tok_s'], b['tok_s'])))
   return out
@@ -179,14 +193,21 @@ def _regret(group: dict) -> list[dict]:
   out = []
   for r in rows:
     s = sim.get(r['policy'], {})
-    out.append({
-        'setting': group['setting'], 'category': group['category'], 'policy': r['policy'],
-        'policy_name': r['policy_name'], 'tok_s': r['tok_s'],
-        'oracle_k': oracle['k'] if oracle else None, 'oracle_tok_s': oracle['tok_s'] if oracle else None,
-        'regret': 1 - r['tok_s'] / oracle['tok_s'] if oracle and r['tok_s'] else None,
-        'sim_tok_s': s.get('tok_s'), 'sim_oracle_k': sim.get('_oracle', {}).get('k'),
-        'sim_regret': s.get('regret'),
-    })
+    out.append(
+        {
+            'setting': group['setting'],
+            'category': group['category'],
+            'policy': r['policy'],
+            'policy_name': r['policy_name'],
+            'tok_s': r['tok_s'],
+            'oracle_k': oracle['k'] if oracle else None,
+            'oracle_tok_s': oracle['tok_s'] if oracle else None,
+            'regret': 1 - r['tok_s'] / oracle['tok_s'] if oracle and r['tok_s'] else None,
+            'sim_tok_s': s.get('tok_s'),
+            'sim_oracle_k': sim.get('_oracle', {}).get('k'),
+            'sim_regret': s.get('regret'),
+        }
+    )
   return out
 
 
@@ -206,6 +227,7 @@ def _recorded_batches(records: list[dict]) -> list[tuple[list[dict], list[tuple[
 def _widths(rows: list[dict], steps: list[tuple[int, float, int]]) -> list[tuple[int, float, int]]:
   """(verified width, seconds, live) of a recorded batch's steps."""
   from specjax import policies
+
   out = []
   for t, (k, seconds, live) in enumerate(steps):
     drafted = [r['drafted_per_step'][t] for r in rows if t < len(r['drafted_per_step'])] or [k]
@@ -216,21 +238,34 @@ def _widths(rows: list[dict], steps: list[tuple[int, float, int]]) -> list[tuple
 def _trace(rows: list[dict], steps: list[tuple[int, float, int]]):
   from types import SimpleNamespace
   from specjax import policies
-  results = [SimpleNamespace(tokens=r['tokens'], spec=SimpleNamespace(
-      accepted_per_step=r['accepted_per_step'],
-      # results written before draft counts were recorded: every step drafted K
-      drafted_per_step=r.get('drafted_per_step') or r['k_per_step'][:len(r['accepted_per_step'])],
-      pending_per_step=r.get('pending_per_step') or []))
-             for r in rows]
+
+  results = [
+      SimpleNamespace(
+          tokens=r['tokens'],
+          spec=SimpleNamespace(
+              accepted_per_step=r['accepted_per_step'],
+              # results written before draft counts were recorded: every step drafted K
+              drafted_per_step=r.get('drafted_per_step') or r['k_per_step'][: len(r['accepted_per_step'])],
+              pending_per_step=r.get('pending_per_step') or [],
+          ),
+      )
+      for r in rows
+  ]
   return policies.trace_from_stats(results, SimpleNamespace(steps=steps))
 
 
 def cell_policy(cell: dict):
   """The policy a cell record ran (rebuilt for replay)."""
   from specjax import policies
+
   name = cell['policy_name']
-  return policies.make_policy(name, family=cell['family'], k=cell['policy_k'],
-                              candidates=cell['candidates'] if name == 'tuner' else None, max_depth=16)
+  return policies.make_policy(
+      name,
+      family=cell['family'],
+      k=cell['policy_k'],
+      candidates=cell['candidates'] if name == 'tuner' else None,
+      max_depth=16,
+  )
 
 
 def simulate_group(by_cell: dict[str, list[dict]], cells: dict[str, dict]) -> dict[str, Any] | None:
@@ -245,6 +280,7 @@ def simulate_group(by_cell: dict[str, list[dict]], cells: dict[str, dict]) -> di
   'tok_s', 'rates'}}, or None without a fixed-K cell to replay.
   """
   from specjax import policies
+
   fixed = sorted((cells[c]['k'], c) for c in by_cell if cells[c]['policy_name'] == 'fixed')
   if not fixed:
     return None
@@ -263,7 +299,9 @@ def simulate_group(by_cell: dict[str, list[dict]], cells: dict[str, dict]) -> di
       tokens, seconds, state = tokens + run.tokens, seconds + run.seconds, run.state
     return tokens / seconds if seconds else 0.0
 
-  candidates = sorted({k for k, _ in fixed})  # the depths measured as fixed cells: the same choice as the measured oracle
+  candidates = sorted(
+      {k for k, _ in fixed}
+  )  # the depths measured as fixed cells: the same choice as the measured oracle
   rates = {k: rate(policies.Fixed(k)) for k in candidates}
   best = max(rates, key=lambda k: (rates[k], -k))
   out: dict[str, Any] = {'_oracle': {'k': best, 'tok_s': rates[best], 'rates': rates}}

@@ -59,6 +59,7 @@ def package_versions() -> dict:
 
 def device_description() -> dict:
   import jax
+
   devices = jax.devices()
   return {
       'backend': jax.default_backend(),
@@ -105,13 +106,15 @@ def check_out_dir(out_dir: str, config_hash: str, prompts_sha: str | None) -> di
   manifest = read_manifest(out_dir) if os.path.isdir(out_dir) else None
   if manifest is None:
     if os.path.isdir(out_dir) and os.path.exists(os.path.join(out_dir, RESULTS)):
-      raise SpecjaxError(f'{out_dir} holds a {RESULTS} without a {MANIFEST}; refusing to overwrite it '
-                         '(choose another --out)')
+      raise SpecjaxError(
+          f'{out_dir} holds a {RESULTS} without a {MANIFEST}; refusing to overwrite it ' '(choose another --out)'
+      )
     return None
   if manifest.get('config_hash') != config_hash:
     raise SpecjaxError(
         f'{out_dir} holds results of another config (hash {manifest.get("config_hash")}, this one is '
-        f'{config_hash}); choose another --out, or rerun with the same config and overrides to resume')
+        f'{config_hash}); choose another --out, or rerun with the same config and overrides to resume'
+    )
   if prompts_sha and manifest.get('prompts_sha256') not in (None, prompts_sha):
     raise SpecjaxError(f'{out_dir} was run on a different prompt file (sha256 differs); choose another --out')
   return manifest
@@ -193,9 +196,12 @@ def read_results(out_dir: str) -> list[dict]:
         pass
   cells = {r['cell'] for r in records if r.get('type') == 'cell'}
   baselines = {r['baseline'] for r in records if r.get('type') == 'baseline_done'}
-  return [r for r in records
-          if (r.get('type') in ('request', 'cell') and r.get('cell') in cells)
-          or (r.get('type') in ('baseline', 'baseline_done') and r.get('baseline') in baselines)]
+  return [
+      r
+      for r in records
+      if (r.get('type') in ('request', 'cell') and r.get('cell') in cells)
+      or (r.get('type') in ('baseline', 'baseline_done') and r.get('baseline') in baselines)
+  ]
 
 
 # ---------------------------------------------------------------- summary.md
@@ -230,8 +236,10 @@ def format_summary(analysis: dict, manifest: dict, plots: list[str]) -> str:
   for group in analysis['groups']:
     lines += [f"## {group['category']} — {group['setting']}", '']
     ar = group['ar']
-    lines.append(f"autoregressive: {_fmt(ar['tok_s'], '.1f')} tok/s over {ar['requests']} requests "
-                 f"(mean step {_fmt(ar['step_ms'], '.1f')} ms)")
+    lines.append(
+        f"autoregressive: {_fmt(ar['tok_s'], '.1f')} tok/s over {ar['requests']} requests "
+        f"(mean step {_fmt(ar['step_ms'], '.1f')} ms)"
+    )
     lines.append('')
     lines.append('| policy | τ | accept | tok/s | speedup | predicted | measured/predicted | mean K | requests |')
     lines.append('|---|---|---|---|---|---|---|---|---|')
@@ -239,29 +247,39 @@ def format_summary(analysis: dict, manifest: dict, plots: list[str]) -> str:
       lines.append(
           f"| {row['policy']} | {_fmt(row['tau'])} | {_fmt(row['acceptance'])} | {_fmt(row['tok_s'], '.1f')} | "
           f"{_fmt(row['speedup'], '.2f', 'x')} | {_fmt(row['predicted'], '.2f', 'x')} | "
-          f"{_fmt(row['efficiency'])} | {_fmt(row['mean_k'], '.1f')} | {row['requests']} |")
+          f"{_fmt(row['efficiency'])} | {_fmt(row['mean_k'], '.1f')} | {row['requests']} |"
+      )
     fit = group['fit']
-    lines += ['', f"acceptance fit: α = {_fmt(fit['alpha'], '.3f')} (geometric), per-position conditional "
-              f"[{', '.join(f'{b:.2f}' for b in fit['conditional'])}] over {fit['steps']} steps", '']
+    lines += [
+        '',
+        f"acceptance fit: α = {_fmt(fit['alpha'], '.3f')} (geometric), per-position conditional "
+        f"[{', '.join(f'{b:.2f}' for b in fit['conditional'])}] over {fit['steps']} steps",
+        '',
+    ]
   policies = analysis.get('policies') or []
   if policies:
-    lines += ['## Policies against the oracle best fixed K', '',
-              'measured: the best fixed-K cell of the category (highest tok/s). sim: every policy replayed '
-              '(`specjax.policies.simulate`) over the acceptance trace recorded at the deepest fixed K, with the '
-              'step costs measured in the category (per verified width when draft counts are recorded), the '
-              'batches in order with adaptive state carried; sim oracle = the best of the same fixed depths in the '
-              'replay. '
-              'regret = 1 − tok/s / oracle tok/s; ≤ 5% passes.', '',
-              '| setting | category | policy | tok/s | oracle K | oracle tok/s | regret | within 5% | '
-              'sim tok/s | sim oracle K | sim regret |',
-              '|---|---|---|---|---|---|---|---|---|---|---|']
+    lines += [
+        '## Policies against the oracle best fixed K',
+        '',
+        'measured: the best fixed-K cell of the category (highest tok/s). sim: every policy replayed '
+        '(`specjax.policies.simulate`) over the acceptance trace recorded at the deepest fixed K, with the '
+        'step costs measured in the category (per verified width when draft counts are recorded), the '
+        'batches in order with adaptive state carried; sim oracle = the best of the same fixed depths in the '
+        'replay. '
+        'regret = 1 − tok/s / oracle tok/s; ≤ 5% passes.',
+        '',
+        '| setting | category | policy | tok/s | oracle K | oracle tok/s | regret | within 5% | '
+        'sim tok/s | sim oracle K | sim regret |',
+        '|---|---|---|---|---|---|---|---|---|---|---|',
+    ]
     for p in policies:
       ok = None if p['regret'] is None else ('yes' if p['regret'] <= 0.05 else 'NO')
       lines.append(
           f"| {p['setting']} | {p['category']} | {p['policy']} | {_fmt(p['tok_s'], '.1f')} | "
           f"{_fmt(p['oracle_k'], 'd')} | {_fmt(p['oracle_tok_s'], '.1f')} | {_fmt(p['regret'], '.1%')} | "
           f"{ok or '–'} | {_fmt(p['sim_tok_s'], '.1f')} | {_fmt(p['sim_oracle_k'], 'd')} | "
-          f"{_fmt(p['sim_regret'], '.1%')} |")
+          f"{_fmt(p['sim_regret'], '.1%')} |"
+      )
     lines.append('')
     verdicts = {}
     for p in policies:
@@ -271,15 +289,20 @@ def format_summary(analysis: dict, manifest: dict, plots: list[str]) -> str:
       ok = sum(p['regret'] <= 0.05 for p in rows)
       worst = max(rows, key=lambda p: p['regret'])
       sim = [p['sim_regret'] for p in rows if p['sim_regret'] is not None]
-      replay = f"; in replay within 5% on {sum(r <= 0.05 for r in sim)}/{len(sim)}" if sim else ''
-      lines.append(f"- **{policy}** ({setting}): within 5% of the measured oracle on {ok}/{len(rows)} categories "
-                   f"(worst: {worst['category']}, {worst['regret']:.1%} regret){replay}.")
+      replay = f'; in replay within 5% on {sum(r <= 0.05 for r in sim)}/{len(sim)}' if sim else ''
+      lines.append(
+          f'- **{policy}** ({setting}): within 5% of the measured oracle on {ok}/{len(rows)} categories '
+          f"(worst: {worst['category']}, {worst['regret']:.1%} regret){replay}."
+      )
     if verdicts:
       lines.append('')
   twins = [(g['setting'], g['category'], t) for g in analysis['groups'] for t in g.get('twins', [])]
   if twins:
-    lines += ['Timing noise: these policies ran the very same steps on the same requests, so their gap in '
-              'tokens/s is measurement noise alone:', '']
+    lines += [
+        'Timing noise: these policies ran the very same steps on the same requests, so their gap in '
+        'tokens/s is measurement noise alone:',
+        '',
+    ]
     for setting, category, (a, b, gap) in twins:
       lines.append(f'- {setting}, {category}: {a} vs {b}: {gap:.1%}')
     lines.append('')

@@ -38,6 +38,7 @@ NULLABLE = {'prompts.path': str, 'prompts.limit': int}  # and each drafter optio
 def _drafter_schema() -> dict[str, Any]:
   """The drafter section: `kind` and every registered family's options with their defaults."""
   from specjax.drafters.registry import option_fields
+
   fields = option_fields()
   for name, f in fields.items():
     if f.default is None:
@@ -50,31 +51,33 @@ CATEGORY_AXIS = 'category'
 
 def base_config() -> ml_collections.ConfigDict:
   """The schema: every field a sweep config may set, with its default."""
-  return ml_collections.ConfigDict({
-      'name': 'sweep',
-      'model': 'gemma-3-270m',  # demo name, HF directory, .gguf file or hub id
-      'attention_impl': 'auto',
-      'drafter': _drafter_schema(),  # kind (a registered family) and each family's options
-      'sampling': {'temperature': 0.0, 'top_k': 0, 'top_p': 1.0, 'min_p': 0.0, 'seed': 0},
-      'prompts': {
-          'path': None,  # jsonl with prompt/turns + category (None: Spec-Bench, `datasets.spec_bench_path`)
-          'categories': [],  # empty: every category in the file
-          'limit': None,  # prompts per category (None: all)
-      },
-      'max_new_tokens': 64,
-      'policy': {
-          'name': 'fixed',  # fixed | tuner | load
-          'k': 4,  # the fixed policy's depth
-          'candidates': [],  # adaptive policies' depths (empty: the drafter family's default set)
-      },
-      'batch_size': 1,  # prompts per generate call (batches never mix categories)
-      'page_size': 16,
-      'warmup': True,  # a batch whose run compiled an executable runs again, and the rerun is timed
-      'repeats': 1,  # timed runs per batch; the fastest counts (the others are recorded)
-      'interleave': False,  # prompt-major order: each batch runs in every cell before the next batch
-      'trace': False,  # results.jsonl keeps each speculative step's k, drafts, accepted count and emitted ids
-      'grid': {},
-  })
+  return ml_collections.ConfigDict(
+      {
+          'name': 'sweep',
+          'model': 'gemma-3-270m',  # demo name, HF directory, .gguf file or hub id
+          'attention_impl': 'auto',
+          'drafter': _drafter_schema(),  # kind (a registered family) and each family's options
+          'sampling': {'temperature': 0.0, 'top_k': 0, 'top_p': 1.0, 'min_p': 0.0, 'seed': 0},
+          'prompts': {
+              'path': None,  # jsonl with prompt/turns + category (None: Spec-Bench, `datasets.spec_bench_path`)
+              'categories': [],  # empty: every category in the file
+              'limit': None,  # prompts per category (None: all)
+          },
+          'max_new_tokens': 64,
+          'policy': {
+              'name': 'fixed',  # fixed | tuner | load
+              'k': 4,  # the fixed policy's depth
+              'candidates': [],  # adaptive policies' depths (empty: the drafter family's default set)
+          },
+          'batch_size': 1,  # prompts per generate call (batches never mix categories)
+          'page_size': 16,
+          'warmup': True,  # a batch whose run compiled an executable runs again, and the rerun is timed
+          'repeats': 1,  # timed runs per batch; the fastest counts (the others are recorded)
+          'interleave': False,  # prompt-major order: each batch runs in every cell before the next batch
+          'trace': False,  # results.jsonl keeps each speculative step's k, drafts, accepted count and emitted ids
+          'grid': {},
+      }
+  )
 
 
 def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
@@ -169,6 +172,7 @@ def _grid_axes(grid: dict) -> dict[str, list]:
 @dataclasses.dataclass
 class SweepConfig:
   """A resolved sweep: base values (overrides applied), grid axes and the pinned overrides."""
+
   base: dict  # flat {key: value}
   axes: dict[str, list]
   pinned: dict  # flat {key: value} from the command line, applied last in every cell
@@ -284,7 +288,7 @@ def resolve(config, overrides: Iterable[str] | dict | None = None) -> SweepConfi
   pinned = {}
   for key, value in parse_overrides(overrides).items():
     if key.startswith('grid.'):
-      axis = key[len('grid.'):]
+      axis = key[len('grid.') :]
       axes[axis] = _check_axis(axis, value)
     elif key in _SCHEMA:
       pinned[key] = base[key] = _check_value(key, value)
@@ -299,6 +303,7 @@ def resolve(config, overrides: Iterable[str] | dict | None = None) -> SweepConfi
 @dataclasses.dataclass(frozen=True)
 class Cell:
   """One combination of grid values, fully resolved."""
+
   id: str
   values: dict  # {axis: value}
   config: dict  # flat {key: value}
@@ -309,7 +314,7 @@ class Cell:
 
   def section(self, name: str) -> dict:
     prefix = name + '.'
-    return {k[len(prefix):]: v for k, v in self.config.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in self.config.items() if k.startswith(prefix)}
 
 
 def _short(value) -> str:

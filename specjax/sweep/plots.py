@@ -12,8 +12,13 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from specjax.sweep.analytics import ALL  # noqa: E402
 
-PLOTS = ('tau_vs_k.png', 'speedup_vs_k.png', 'position_acceptance.png', 'predicted_vs_measured.png',
-         'policy_trajectories.png')
+PLOTS = (
+    'tau_vs_k.png',
+    'speedup_vs_k.png',
+    'position_acceptance.png',
+    'predicted_vs_measured.png',
+    'policy_trajectories.png',
+)
 
 
 def _settings(analysis: dict) -> list[str]:
@@ -44,7 +49,7 @@ def _by_k(analysis: dict, title: str, measured: str, predicted: str, ylabel: str
       if not rows:
         continue
       style = {'linewidth': 2.5, 'color': 'black'} if group['category'] == ALL else {}
-      line, = ax.plot([r['k'] for r in rows], [r[measured] for r in rows], 'o-', label=group['category'], **style)
+      (line,) = ax.plot([r['k'] for r in rows], [r[measured] for r in rows], 'o-', label=group['category'], **style)
       pred = [(r['k'], r[predicted]) for r in rows if r[predicted] is not None]
       if pred:
         ax.plot(*zip(*pred), '--', color=line.get_color(), alpha=0.6)
@@ -132,8 +137,13 @@ def _trajectories(analysis: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return
-  fig, axes = plt.subplots(len(categories), len(columns), figsize=(6.0 * len(columns), 1.5 * len(categories) + 0.8),
-                           squeeze=False, sharey=True)
+  fig, axes = plt.subplots(
+      len(categories),
+      len(columns),
+      figsize=(6.0 * len(columns), 1.5 * len(categories) + 0.8),
+      squeeze=False,
+      sharey=True,
+  )
   fig.suptitle('K chosen per step (dotted: the next request starts with a fresh policy state)')
   top = max(max(r['candidates']) for r in panels.values())
   for j, (setting, policy) in enumerate(columns):
@@ -159,10 +169,23 @@ def _trajectories(analysis: dict, path: str) -> None:
 def write_plots(analysis: dict, out_dir: str) -> list[str]:
   """Writes every plot into `out_dir`; returns their file names."""
   join = lambda name: os.path.join(out_dir, name)
-  _by_k(analysis, 'τ vs draft depth (dashed: predicted from the acceptance fit)', 'tau', 'tau_predicted', 'τ',
-        join('tau_vs_k.png'))
-  _by_k(analysis, 'speedup over autoregressive vs K (dashed: predicted)', 'speedup', 'predicted', 'speedup',
-        join('speedup_vs_k.png'), hline=1.0)
+  _by_k(
+      analysis,
+      'τ vs draft depth (dashed: predicted from the acceptance fit)',
+      'tau',
+      'tau_predicted',
+      'τ',
+      join('tau_vs_k.png'),
+  )
+  _by_k(
+      analysis,
+      'speedup over autoregressive vs K (dashed: predicted)',
+      'speedup',
+      'predicted',
+      'speedup',
+      join('speedup_vs_k.png'),
+      hline=1.0,
+  )
   _position(analysis, join('position_acceptance.png'))
   _predicted_vs_measured(analysis, join('predicted_vs_measured.png'))
   _trajectories(analysis, join('policy_trajectories.png'))

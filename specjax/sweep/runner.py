@@ -23,15 +23,18 @@ from specjax.sampling import SamplingParams
 from specjax.sweep import analytics, artifacts, plots as plots_lib
 from specjax.sweep.config import Cell, SweepConfig, expand, resolve, stable_hash
 
+
 def _sampling(cell: Cell) -> SamplingParams:
   s = cell.section('sampling')
-  params = SamplingParams(temperature=s['temperature'], top_k=s['top_k'], top_p=s['top_p'], min_p=s['min_p'],
-                          seed=s['seed'])
+  params = SamplingParams(
+      temperature=s['temperature'], top_k=s['top_k'], top_p=s['top_p'], min_p=s['min_p'], seed=s['seed']
+  )
   return params.validate()
 
 
 def _family(cell: Cell):
   from specjax.drafters import REGISTRY
+
   kind = cell.section('drafter')['kind']
   if kind not in REGISTRY:
     raise SpecjaxError(f'unknown drafter {kind!r} in cell {cell.label} (choose from {", ".join(REGISTRY)})')
@@ -63,13 +66,20 @@ def _max_depth(cell: Cell) -> int:
 def make_cell_policy(cell: Cell):
   """The cell's depth policy, checked against its drafter's depth limit."""
   from specjax import policies
+
   if os.environ.get(policies.ENV):
-    raise SpecjaxError(f'{policies.ENV} is set; a sweep takes its policies from the config '
-                       '(policy.* or grid.policy): unset it')
+    raise SpecjaxError(
+        f'{policies.ENV} is set; a sweep takes its policies from the config ' '(policy.* or grid.policy): unset it'
+    )
   p, kind = cell.section('policy'), drafter_key(cell)[0]
-  return policies.make_policy(p['name'], family=kind, candidates=tuple(p['candidates']) or None, k=p['k'],
-                              options=drafter_options(cell),
-                              max_depth=_max_depth(cell))
+  return policies.make_policy(
+      p['name'],
+      family=kind,
+      candidates=tuple(p['candidates']) or None,
+      k=p['k'],
+      options=drafter_options(cell),
+      max_depth=_max_depth(cell),
+  )
 
 
 def policy_label(cell: Cell) -> str:
@@ -86,7 +96,9 @@ def setting_label(cell: Cell) -> str:
     if axis.startswith(('policy', 'drafter', 'prompts.categories')) or axis == 'category':
       continue
     name = {'sampling.temperature': 'T', 'batch_size': 'B'}.get(axis, axis)
-    parts.append(f'{name}={value}' if not isinstance(value, dict) else f'{name}={{{",".join(map(str, value.values()))}}}')
+    parts.append(
+        f'{name}={value}' if not isinstance(value, dict) else f'{name}={{{",".join(map(str, value.values()))}}}'
+    )
   return ' '.join(parts)
 
 
@@ -126,7 +138,7 @@ def batches(selected: list[tuple[int, Prompt]], size: int) -> list[list[tuple[in
   by_cat: dict[str, list] = {}
   for item in selected:
     by_cat.setdefault(item[1].category, []).append(item)
-  return [rows[i:i + size] for rows in by_cat.values() for i in range(0, len(rows), size)]
+  return [rows[i : i + size] for rows in by_cat.values() for i in range(0, len(rows), size)]
 
 
 _MODELS: dict[tuple, Any] = {}
@@ -153,10 +165,14 @@ class _Workbench:
       self.max_draft[key] = max(self.max_draft.get(key, 1), *cell_policies[cell.id].candidates)
     keys = {self.engine_key(c, b) for c in cells for b in (False, True)}
     # Targets load the heads their cells' drafters need (their baselines share that model).
-    self.mtp_models = {(c.config['model'], c.config['attention_impl']) for c in cells
-                       if 'mtp' in _family(c).target_heads}
-    models = {k[:2] for k in keys} | {(c.config['drafter.draft_model'], c.config['attention_impl'])
-                                      for c in cells if c.config['drafter.kind'] == 'draft-model'}
+    self.mtp_models = {
+        (c.config['model'], c.config['attention_impl']) for c in cells if 'mtp' in _family(c).target_heads
+    }
+    models = {k[:2] for k in keys} | {
+        (c.config['drafter.draft_model'], c.config['attention_impl'])
+        for c in cells
+        if c.config['drafter.kind'] == 'draft-model'
+    }
     models = {m + (m in self.mtp_models,) for m in models}
     for key in set(_ENGINES) - keys:
       del _ENGINES[key]
@@ -177,6 +193,7 @@ class _Workbench:
     key = (spec, attention_impl, mtp)
     if key not in _MODELS:
       import specjax
+
       _MODELS[key] = specjax.load(spec, attention_impl=attention_impl, mtp=mtp)
     return _MODELS[key]
 
@@ -185,6 +202,7 @@ class _Workbench:
     if key not in _ENGINES:
       import specjax
       from specjax.drafters import make_drafter
+
       model_spec, impl, page_size, dkey, max_draft = key
       model = self.model(model_spec, impl)
       drafter = None
@@ -226,29 +244,33 @@ def _row_record(row: int, result, stats, prompt: Prompt, request_id: int, base: 
       'batch_decode_tokens': stats.generated_tokens - stats.rows,
   }
   if spec is not None:
-    record.update({
-        'accepted_per_step': [int(a) for a in spec.accepted_per_step],
-        'drafted_per_step': [int(d) for d in spec.drafted_per_step],
-        'pending_per_step': [int(p) for p in spec.pending_per_step],
-        'target_steps': spec.target_steps,
-        'drafted': spec.drafted,
-        'accepted': spec.accepted,
-        'emitted': spec.emitted,
-        'tau': spec.tau,
-        'acceptance_rate': spec.acceptance_rate,
-        'position_acceptance': spec.position_acceptance,
-        'conditional_acceptance': spec.conditional_acceptance,
-    })
+    record.update(
+        {
+            'accepted_per_step': [int(a) for a in spec.accepted_per_step],
+            'drafted_per_step': [int(d) for d in spec.drafted_per_step],
+            'pending_per_step': [int(p) for p in spec.pending_per_step],
+            'target_steps': spec.target_steps,
+            'drafted': spec.drafted,
+            'accepted': spec.accepted,
+            'emitted': spec.emitted,
+            'tau': spec.tau,
+            'acceptance_rate': spec.acceptance_rate,
+            'position_acceptance': spec.position_acceptance,
+            'conditional_acceptance': spec.conditional_acceptance,
+        }
+    )
   if result.trace is not None:
     record['trace'] = result.trace
   return record
 
 
 class _Progress:
+
   def __init__(self, total: int, enabled: bool):
     self.bar = None
     if enabled and total:
       from tqdm import tqdm
+
       self.bar = tqdm(total=total, file=sys.stderr, unit='batch', dynamic_ncols=True, leave=True)
 
   def step(self, text: str) -> None:
@@ -292,8 +314,12 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   bench.build(cells)
   os.makedirs(out_dir, exist_ok=True)
   started = artifacts.now()
-  run_info = {'started': started, 'git': artifacts.git_info(), 'device': artifacts.device_description(),
-              'versions': artifacts.package_versions()}
+  run_info = {
+      'started': started,
+      'git': artifacts.git_info(),
+      'device': artifacts.device_description(),
+      'versions': artifacts.package_versions(),
+  }
   if manifest is None:
     manifest = {
         'name': sweep.base['name'],
@@ -332,8 +358,9 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
       sampling = _sampling(cell)
       ids = [rid for rid, _ in batch]
       baseline_id = _baseline(bench, log, cell, batch, sampling)
-      results, stats, runs = _generate(bench.engine(cell), cell, [p.text for _, p in batch], ids, sampling, policy,
-                                       policy_states.get(cell.id))
+      results, stats, runs = _generate(
+          bench.engine(cell), cell, [p.text for _, p in batch], ids, sampling, policy, policy_states.get(cell.id)
+      )
       policy_states[cell.id] = stats.policy_state
       base = {'type': 'request', 'cell': cell.id, 'baseline': baseline_id, 'batch': b, 'decode_s_runs': runs}
       for row, ((rid, prompt), result) in enumerate(zip(batch, results)):
@@ -343,13 +370,23 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
       left[cell.id] -= 1
       if left[cell.id]:
         continue
-      log.mark_cell({'cell': cell.id, 'values': cell.values, 'label': cell.label, 'drafter': drafter_label(cell),
-                     'setting': setting_label(cell), 'policy': policy_label(cell),
-                     'policy_name': cell.config['policy.name'], 'policy_k': cell.config['policy.k'],
-                     'family': drafter_key(cell)[0],
-                     'k': cell.config['policy.k'] if cell.config['policy.name'] == 'fixed' else None,
-                     'candidates': list(policy.candidates), 'greedy': sampling.is_greedy,
-                     'seconds': seconds[cell.id]})
+      log.mark_cell(
+          {
+              'cell': cell.id,
+              'values': cell.values,
+              'label': cell.label,
+              'drafter': drafter_label(cell),
+              'setting': setting_label(cell),
+              'policy': policy_label(cell),
+              'policy_name': cell.config['policy.name'],
+              'policy_k': cell.config['policy.k'],
+              'family': drafter_key(cell)[0],
+              'k': cell.config['policy.k'] if cell.config['policy.name'] == 'fixed' else None,
+              'candidates': list(policy.candidates),
+              'greedy': sampling.is_greedy,
+              'seconds': seconds[cell.id],
+          }
+      )
   finally:
     bar.close()
     log.close()
@@ -361,12 +398,19 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   written = plots_lib.write_plots(analysis, out_dir) if make_plots else []
   with open(os.path.join(out_dir, artifacts.SUMMARY), 'w', encoding='utf-8') as f:
     f.write(artifacts.format_summary(analysis, manifest, written))
-  return {'out_dir': out_dir, 'manifest': manifest, 'analysis': analysis, 'cells_run': len(pending),
-          'cells_skipped': len(cells) - len(pending), 'plots': written}
+  return {
+      'out_dir': out_dir,
+      'manifest': manifest,
+      'analysis': analysis,
+      'cells_run': len(pending),
+      'cells_skipped': len(cells) - len(pending),
+      'plots': written,
+  }
 
 
-def _generate(engine, cell: Cell, texts: list[str], ids: list[int], sampling: SamplingParams, num_draft,
-              policy_state=None):
+def _generate(
+    engine, cell: Cell, texts: list[str], ids: list[int], sampling: SamplingParams, num_draft, policy_state=None
+):
   """A batch's timed generate calls: the fastest of `repeats` runs counts (all must give the same tokens).
 
   Every run starts from the same `policy_state` (the cell's policy state after its previous batch); the
@@ -398,11 +442,17 @@ def _baseline(bench: _Workbench, log: artifacts.ResultsLog, cell: Cell, batch, s
   """Decodes `batch` autoregressively once per (model, prompts, sampling, budget); returns its id."""
   c = cell.config
   ids = [rid for rid, _ in batch]
-  baseline_id = stable_hash({
-      'model': c['model'], 'attention_impl': c['attention_impl'], 'page_size': c['page_size'],
-      'max_new_tokens': c['max_new_tokens'], 'sampling': cell.section('sampling'), 'prompts': c['prompts.path'],
-      'request_ids': ids,
-  })
+  baseline_id = stable_hash(
+      {
+          'model': c['model'],
+          'attention_impl': c['attention_impl'],
+          'page_size': c['page_size'],
+          'max_new_tokens': c['max_new_tokens'],
+          'sampling': cell.section('sampling'),
+          'prompts': c['prompts.path'],
+          'request_ids': ids,
+      }
+  )
   if baseline_id in log.done_baselines:
     return baseline_id
   engine = bench.engine(cell, baseline=True)
