@@ -281,7 +281,7 @@ def run_specjax(max_new_tokens: int, repeats: int):
             for r in runs
         ],
     )
-    log(f'specjax {name}: {results[name]["e2e_tok_s"]:.1f} tok/s e2e, ' f'{results[name]["decode_tok_s"]:.1f} decode')
+    log(f'specjax {name}: {results[name]["e2e_tok_s"]:.1f} tok/s e2e, {results[name]["decode_tok_s"]:.1f} decode')
   info = dict(
       load_s=load_s,
       compile_s=compile_s,
@@ -409,7 +409,7 @@ def report(r: dict) -> str:
     )
   lines += [
       '',
-      '## Memory bandwidth (512 MB float32 buffers, best / median of ' f'{BANDWIDTH_REPEATS})',
+      f'## Memory bandwidth (512 MB float32 buffers, best / median of {BANDWIDTH_REPEATS})',
       '',
       '| kernel | kind | threads | traffic GB/s (read + write) | read GB/s |',
       '|---|---|---|---|---|',

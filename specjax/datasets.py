@@ -145,7 +145,7 @@ def spec_bench_path(path: str | None = None, *, download: bool = True) -> str:
         _write_atomic(cached, data)
       except OSError as e:
         raise SpecjaxError(
-            f'cannot write the Spec-Bench cache {cached}: {e.strerror or e}; ' f'set XDG_CACHE_HOME or {SPEC_BENCH_ENV}'
+            f'cannot write the Spec-Bench cache {cached}: {e.strerror or e}; set XDG_CACHE_HOME or {SPEC_BENCH_ENV}'
         ) from None
       return cached
   raise SpecjaxError(

@@ -188,7 +188,7 @@ def gumbel_argmax(
   """One draw per row from softmax(logits): argmax(logits + Gumbel(key))."""
   keys = _as_typed_keys(keys)
   if keys.shape != logits.shape[:-1]:
-    raise ValueError(f'keys shape {keys.shape} != logits batch shape ' f'{logits.shape[:-1]}')
+    raise ValueError(f'keys shape {keys.shape} != logits batch shape {logits.shape[:-1]}')
   vocab = logits.shape[-1]
 
   def draw(row):  # One row at a time: [B, V] noise would spill the caches.

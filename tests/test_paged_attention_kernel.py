@@ -83,7 +83,7 @@ class TestPagedAttentionKernel:
   @pytest.fixture(autouse=True)
   def _platform(self):
     if not self.INTERPRET and not ON_GPU:
-      pytest.skip('the compiled kernel needs a GPU; the Interpret subclass ' 'runs these cases on CPU')
+      pytest.skip('the compiled kernel needs a GPU; the Interpret subclass runs these cases on CPU')
     with warnings.catch_warnings():
       warnings.filterwarnings('ignore', category=DeprecationWarning, message=triton_kernel.TRITON_DEPRECATION)
       yield

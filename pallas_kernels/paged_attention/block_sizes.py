@@ -57,9 +57,9 @@ class BlockSizes:
 
   def __post_init__(self):
     if not is_power_of_2(self.block_rows) or self.block_rows < MIN_ROWS:
-      raise ValueError(f'block_rows must be a power of two >= {MIN_ROWS}, ' f'got {self.block_rows}')
+      raise ValueError(f'block_rows must be a power of two >= {MIN_ROWS}, got {self.block_rows}')
     if not is_power_of_2(self.pages_per_compute_block):
-      raise ValueError(f'pages_per_compute_block must be a power of two, ' f'got {self.pages_per_compute_block}')
+      raise ValueError(f'pages_per_compute_block must be a power of two, got {self.pages_per_compute_block}')
     if self.k_splits < 1:
       raise ValueError(f'k_splits must be >= 1, got {self.k_splits}')
 

@@ -39,15 +39,15 @@ def check_inputs(
   if k_pages.ndim != 4:
     raise ValueError(f'k_pages must be [Hkv, P, page_size, D], got shape {k_pages.shape}')
   if v_pages.shape != k_pages.shape:
-    raise ValueError(f'v_pages shape {v_pages.shape} != k_pages shape ' f'{k_pages.shape}')
+    raise ValueError(f'v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}')
   b, n_q, n_heads, head_dim = q.shape
   n_kv_heads = k_pages.shape[0]
   if k_pages.shape[-1] != head_dim:
-    raise ValueError(f'head dim mismatch: q has D={head_dim}, pages have ' f'D={k_pages.shape[-1]}')
+    raise ValueError(f'head dim mismatch: q has D={head_dim}, pages have D={k_pages.shape[-1]}')
   if n_kv_heads == 0 or n_heads % n_kv_heads:
-    raise ValueError(f'query heads H={n_heads} must be a multiple of KV ' f'heads Hkv={n_kv_heads}')
+    raise ValueError(f'query heads H={n_heads} must be a multiple of KV heads Hkv={n_kv_heads}')
   if block_tables.ndim != 2 or block_tables.shape[0] != b:
-    raise ValueError(f'block_tables must be [B={b}, pages_per_seq], got ' f'shape {block_tables.shape}')
+    raise ValueError(f'block_tables must be [B={b}, pages_per_seq], got shape {block_tables.shape}')
   if not jnp.issubdtype(block_tables.dtype, jnp.integer):
     raise ValueError(f'block_tables must be integer, got {block_tables.dtype}')
   if lengths.shape != (b,):
@@ -55,7 +55,7 @@ def check_inputs(
   if query_lens is not None and query_lens.shape != (b,):
     raise ValueError(f'query_lens must be [B={b}], got shape {query_lens.shape}')
   if mask is not None and mask.shape != (b, n_q, n_q):
-    raise ValueError(f'mask must be [B, Q, Q]={(b, n_q, n_q)}, got shape ' f'{mask.shape}')
+    raise ValueError(f'mask must be [B, Q, Q]={(b, n_q, n_q)}, got shape {mask.shape}')
   if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1):
     raise ValueError(f'sliding_window must be a positive int or None, got {sliding_window}')
   if logit_softcap is not None and not logit_softcap > 0:

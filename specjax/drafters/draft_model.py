@@ -128,7 +128,7 @@ class DraftModelOptions:
       '--draft-model',
       '--mtp-model',
       type=str,
-      help='draft model (same forms as -m: a loaded Model in Python); ' '--mtp-model is the mistral.rs spelling',
+      help='draft model (same forms as -m: a loaded Model in Python); --mtp-model is the mistral.rs spelling',
   )
 
   def validate(self) -> None:

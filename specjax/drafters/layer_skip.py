@@ -47,7 +47,7 @@ class LayerSkipDrafter(Drafter):
 @dataclasses.dataclass(frozen=True)
 class LayerSkipOptions:
   layers: int | None = option(
-      None, '--layers', help="layer-skip: the target's first N layers draft " '(default: a quarter of them)', type=int
+      None, '--layers', help="layer-skip: the target's first N layers draft (default: a quarter of them)", type=int
   )
 
   def validate(self) -> None:

@@ -209,9 +209,7 @@ class _GGUFFile:
     (version,) = struct.unpack_from('<I', buf, 4)
     if version not in (2, 3):
       order = 'big-endian ' if version > 0xFFFF else ''
-      raise SpecjaxError(
-          f'unsupported {order}GGUF version {version} in {self.path}' ' (supported: little-endian v2, v3)'
-      )
+      raise SpecjaxError(f'unsupported {order}GGUF version {version} in {self.path} (supported: little-endian v2, v3)')
     n_tensors, n_kv = struct.unpack_from('<QQ', buf, 8)
     pos = 24
     self.metadata: dict[str, Any] = {}
@@ -291,14 +289,14 @@ def load_gguf(path: str) -> Checkpoint:
   arch = meta.get('general.architecture')
   spec = _ARCHS.get(arch)
   if spec is None:
-    raise SpecjaxError(f'unsupported GGUF architecture {arch!r} in {path}' f' (supported: {", ".join(_ARCHS)})')
+    raise SpecjaxError(f'unsupported GGUF architecture {arch!r} in {path} (supported: {", ".join(_ARCHS)})')
 
   # Everything is checked before any tensor is dequantized.
   for info in gguf_file.tensors.values():
     if info.qtype not in _SUPPORTED_TYPES:
       supported = ', '.join(t.name for t in sorted(_SUPPORTED_TYPES))
       raise SpecjaxError(
-          f'GGUF tensor {info.name} has unsupported type' f' {_type_name(info.qtype)} (supported: {supported})'
+          f'GGUF tensor {info.name} has unsupported type {_type_name(info.qtype)} (supported: {supported})'
       )
   if arch == 'gemma3':
     config = _gemma3_config(meta, gguf_file.tensors)
@@ -381,7 +379,7 @@ def _gemma3_config(meta: dict[str, Any], tensors: dict[str, _TensorInfo]) -> dic
   pattern = get('attention.sliding_window_pattern', 6)
   if isinstance(pattern, list):
     if len(pattern) != layers:
-      raise SpecjaxError(f'gemma3.attention.sliding_window_pattern has {len(pattern)} entries' f' for {layers} layers')
+      raise SpecjaxError(f'gemma3.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers')
     sliding = [bool(s) for s in pattern]
     pattern = next((i + 1 for i, s in enumerate(sliding) if not s), layers)
   else:
@@ -476,7 +474,7 @@ def _unpermute_rope_rows(values: np.ndarray, heads: int, name: str) -> np.ndarra
   """
   rows = values.shape[0]
   if rows % (2 * heads):
-    raise SpecjaxError(f'GGUF tensor {name}: {rows} rows do not split into {heads} heads of' ' an even head_dim')
+    raise SpecjaxError(f'GGUF tensor {name}: {rows} rows do not split into {heads} heads of an even head_dim')
   return np.ascontiguousarray(
       values.reshape(heads, rows // heads // 2, 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
   )
@@ -491,7 +489,7 @@ def _dense_config(arch: str, meta: dict[str, Any], gguf_file: _GGUFFile) -> dict
     if isinstance(value, list):  # per-layer values: must agree
       if len(set(value)) != 1:
         raise SpecjaxError(
-            f'GGUF metadata {arch}.{key} varies across layers ({value[:8]}),' ' which this loader does not support'
+            f'GGUF metadata {arch}.{key} varies across layers ({value[:8]}), which this loader does not support'
         )
       value = value[0]
     return value
@@ -570,9 +568,7 @@ def _rope_scaling_from_metadata(arch: str, get: Any, context: int) -> dict[str, 
       if (value := get(f'rope.scaling.{gguf_key}')) is not None:
         scaling[hf_key] = _f32(value)
     return scaling
-  raise SpecjaxError(
-      f'unsupported {arch}.rope.scaling.type {kind!r} in GGUF metadata' ' (supported: none, linear, yarn)'
-  )
+  raise SpecjaxError(f'unsupported {arch}.rope.scaling.type {kind!r} in GGUF metadata (supported: none, linear, yarn)')
 
 
 def _rope_freqs(
@@ -588,7 +584,7 @@ def _rope_freqs(
     return rope_scaling, None
   if info.shape != (head_dim // 2,):
     raise SpecjaxError(
-        f'GGUF tensor {_ROPE_FREQS} has shape {info.shape}, expected' f' ({head_dim // 2},) for head_dim {head_dim}'
+        f'GGUF tensor {_ROPE_FREQS} has shape {info.shape}, expected ({head_dim // 2},) for head_dim {head_dim}'
     )
   factors = _dequantize(gguf_file.raw(info), info.qtype, info.shape)
   if np.all(factors == 1.0):

@@ -186,7 +186,7 @@ class Tokenizer:
       if token_id is None:
         return None
       if not 0 <= int(token_id) < len(tokens):
-        raise SpecjaxError(f'GGUF tokenizer.ggml.{key} = {token_id} is outside the' f' {len(tokens)}-token vocabulary')
+        raise SpecjaxError(f'GGUF tokenizer.ggml.{key} = {token_id} is outside the {len(tokens)}-token vocabulary')
       return tokens[int(token_id)]
 
     # Class defaults, control pieces and the file's named ids are special;

@@ -70,7 +70,7 @@ class LlamaConfig:
       unknown = sorted(set(layer_types) - {SLIDING, FULL})
       if unknown or len(layer_types) != layers:
         raise SpecjaxError(
-            f'{where}: layer_types must list {layers} of {SLIDING!r}/{FULL!r}, ' f'got {unknown or len(layer_types)}'
+            f'{where}: layer_types must list {layers} of {SLIDING!r}/{FULL!r}, got {unknown or len(layer_types)}'
         )
       if SLIDING in layer_types and not window:
         raise SpecjaxError(f'{where}: sliding_attention layers need a sliding_window')

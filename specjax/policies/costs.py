@@ -138,7 +138,7 @@ def step_pricer(costs: Costs | None) -> Callable[[int, int], float] | None:
   if isinstance(costs, Mapping):
     return CostTable(tuple(costs.items()))
   raise SpecjaxError(
-      f'costs must be a mapping width -> seconds or a callable (width, live) -> seconds, ' f'got {type(costs).__name__}'
+      f'costs must be a mapping width -> seconds or a callable (width, live) -> seconds, got {type(costs).__name__}'
   )
 
 

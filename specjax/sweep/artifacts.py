@@ -107,7 +107,7 @@ def check_out_dir(out_dir: str, config_hash: str, prompts_sha: str | None) -> di
   if manifest is None:
     if os.path.isdir(out_dir) and os.path.exists(os.path.join(out_dir, RESULTS)):
       raise SpecjaxError(
-          f'{out_dir} holds a {RESULTS} without a {MANIFEST}; refusing to overwrite it ' '(choose another --out)'
+          f'{out_dir} holds a {RESULTS} without a {MANIFEST}; refusing to overwrite it (choose another --out)'
       )
     return None
   if manifest.get('config_hash') != config_hash:

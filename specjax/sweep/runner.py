@@ -69,7 +69,7 @@ def make_cell_policy(cell: Cell):
 
   if os.environ.get(policies.ENV):
     raise SpecjaxError(
-        f'{policies.ENV} is set; a sweep takes its policies from the config ' '(policy.* or grid.policy): unset it'
+        f'{policies.ENV} is set; a sweep takes its policies from the config (policy.* or grid.policy): unset it'
     )
   p, kind = cell.section('policy'), drafter_key(cell)[0]
   return policies.make_policy(
