@@ -9,6 +9,7 @@ pending tokens as one ragged block, then drafts K tokens one at a time.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -156,5 +157,5 @@ FAMILY = DrafterFamily(
     options=DraftModelOptions,
     build=_build,
     help='an independent smaller model, same vocabulary',
-    label=lambda o: f'draft-model({getattr(o.draft_model, "source", o.draft_model)})',
+    label=lambda o: f'draft-model({os.path.basename(str(getattr(o.draft_model, "source", o.draft_model)).rstrip("/"))})',
 )

@@ -32,18 +32,21 @@ import ml_collections
 from specjax.errors import SpecjaxError
 
 SECTIONS = ('drafter', 'sampling', 'prompts', 'policy')
-NULLABLE = {'prompts.path': str, 'prompts.limit': int}  # and each drafter option defaulting to None
+NULLABLE = {'prompts.path': str, 'prompts.limit': int}  # keys that may be None, and their type otherwise
 
 
 def _drafter_schema() -> dict[str, Any]:
   """The drafter section: `kind` and every registered family's options with their defaults."""
   from specjax.drafters.registry import option_fields
 
-  fields = option_fields()
-  for name, f in fields.items():
-    if f.default is None:
-      NULLABLE[f'drafter.{name}'] = f.metadata['type']
-  return {'kind': 'ngram', **{name: f.default for name, f in fields.items()}}
+  return {'kind': 'ngram', **{name: f.default for name, f in option_fields().items()}}
+
+
+def _drafter_nullable() -> dict[str, type]:
+  """Drafter options that default to None, with the type they take otherwise."""
+  from specjax.drafters.registry import option_fields
+
+  return {f'drafter.{name}': f.metadata['type'] for name, f in option_fields().items() if f.default is None}
 
 
 CATEGORY_AXIS = 'category'
@@ -100,14 +103,15 @@ def _to_dict(config) -> dict:
 
 
 _SCHEMA = _flatten({k: v for k, v in base_config().to_dict().items() if k != 'grid'})
+_NULLABLE = {**NULLABLE, **_drafter_nullable()}
 
 
 def _check_value(key: str, value: Any) -> Any:
   """Type-checks one schema leaf; returns the value normalized (lists, floats)."""
   default = _SCHEMA[key]
-  if value is None and key in NULLABLE:
+  if value is None and key in _NULLABLE:
     return None
-  want = NULLABLE.get(key, type(default))
+  want = _NULLABLE.get(key, type(default))
   if want is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if want is list and isinstance(value, (list, tuple)):

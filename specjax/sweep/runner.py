@@ -53,10 +53,7 @@ def drafter_key(cell: Cell) -> tuple:
 
 
 def drafter_label(cell: Cell) -> str:
-  family, d = _family(cell), cell.section('drafter')
-  if family.name == 'draft-model':
-    return f'draft-model({os.path.basename(str(d["draft_model"]).rstrip("/"))})'
-  return family.describe(drafter_options(cell))
+  return _family(cell).describe(drafter_options(cell))
 
 
 def _max_depth(cell: Cell) -> int:
