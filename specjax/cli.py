@@ -236,26 +236,23 @@ def default_depth(args) -> int:
   return get(drafter_kind(args)).default_depth
 
 
-def load_engine(args, with_drafter: bool):
+def load_engine(args):
   """(model, engine, drafter options) for the flags; bad drafter options fail before any weight is read."""
   import specjax
   from specjax.drafters import get, make_drafter
 
-  kind = drafter_kind(args) if with_drafter else None
-  family = get(kind) if kind else None
-  options = None
-  if family:  # bad options fail before any weight is read
-    options = family.make_options(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(family.options)})
-  heads = {h: True for h in family.target_heads} if family else {}
+  kind = drafter_kind(args)
+  family = get(kind)
+  options = family.make_options(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(family.options)})
+  heads = {h: True for h in family.target_heads}  # e.g. mtp=True: the target loads its MTP head
   model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **heads)
-  drafter = make_drafter(kind, model, options) if family else None
   engine = specjax.Engine(
       model,
       page_size=args.page_size,
       num_pages=args.num_pages,
       max_seq_len=args.max_seq_len,
-      drafter=drafter,
-      max_draft=max(args.max_draft, args.n_predict or 0) if with_drafter else 8,
+      drafter=make_drafter(kind, model, options),
+      max_draft=max(args.max_draft, args.n_predict or 0),
       profile=getattr(args, 'profile', False),
   )
   return model, engine, options
@@ -269,7 +266,7 @@ def cmd_run(args) -> int:
     raise SpecjaxError(f'--n-predict must be at least 1, got {k}')
   if args.max_new_tokens < 1:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
-  model, engine, options = load_engine(args, with_drafter=True)
+  model, engine, options = load_engine(args)
   depth = k
   if args.policy or os.environ.get('SPECJAX_POLICY'):
     from specjax.policies import make_policy
@@ -295,7 +292,7 @@ def cmd_bench(args) -> int:
   prompts = bench.load_prompts(args.prompts, args.categories, args.limit)
   if not prompts:
     raise SpecjaxError(f'no prompts selected from {args.prompts or "Spec-Bench question.jsonl"}')
-  model, engine, _ = load_engine(args, with_drafter=True)
+  model, engine, _ = load_engine(args)
   for k in depths:
     engine.check_depth(k)
 
