@@ -26,7 +26,6 @@ from flax import nnx
 
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
-from specjax.depths import step_depth, verify_widths  # noqa: F401  re-exported: older imports read them here
 from specjax.drafters.base import DraftContext
 from specjax.models.contract import append
 from specjax.sampling import SamplingParams

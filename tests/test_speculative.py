@@ -12,7 +12,7 @@ import specjax
 from specjax import SpecjaxError
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters import NgramDrafter, make_drafter
-from specjax.step import step_depth, verify_widths
+from specjax.depths import step_depth, verify_widths
 from conftest import drafter_options, TINY_SHARDED, perturbed_target
 
 PROMPTS = [
