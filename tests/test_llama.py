@@ -160,3 +160,17 @@ def test_dense_config_errors(tmp_path):
     (d / 'config.json').write_text(json.dumps(config | change))
     with pytest.raises(specjax.SpecjaxError, match=message):
       specjax.load(str(d))
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_speculative_greedy_equals_autoregressive(name):
+  """The dense families under the draft-verify step: n-gram and layer-skip drafts, greedy output unchanged."""
+  from specjax.drafters import make_drafter
+
+  model = specjax.load(f'{FIXTURES}/{name}')
+  ref = np.load(f'{FIXTURES}/{name}_reference.npz')
+  prompts = [list(map(int, row[:n])) for row, n in zip(ref['input_ids'], ref['input_lens'])]
+  for kind, options in (('ngram', {}), ('layer-skip', {'layers': 1})):
+    engine = specjax.Engine(model, page_size=4, drafter=make_drafter(kind, model, **options), max_draft=4)
+    results, _ = engine.generate(prompts, max_new_tokens=24, num_draft=3)
+    assert [r.tokens for r in results] == ref['greedy_new_ids'].tolist(), kind
