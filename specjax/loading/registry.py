@@ -48,7 +48,7 @@ def _qwen3_5() -> Family:
       qwen3_5.Qwen35Config.from_hf,
       qwen3_5.Qwen35,
       qwen3_5.params_from_hf,
-      heads={'mtp': Head(qwen3_5.MTPHead, qwen3_5.mtp_params_from_hf, 'mtp.')},
+      heads={'mtp': Head(qwen3_5.mtp_head, qwen3_5.mtp_params_from_hf, 'mtp.')},
   )
 
 

@@ -198,12 +198,8 @@ class Attention(nnx.Module):
     self.spec = spec
     self.impl = impl
 
-  def __call__(
-      self,
-      x: jax.Array,  # [B, T, D]
-      inputs: StepInputs,
-      kv: PagedKV | None,
-  ) -> tuple[jax.Array, PagedKV | None]:
+  def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+    """Queries [B, T, N, H], keys and values [B, T, K, H] (normed, rotated) and the output gate (or None)."""
     s = self.spec
     b, t, _ = x.shape
     n, k, h = s.num_heads, s.num_kv_heads, s.head_dim
@@ -211,7 +207,24 @@ class Attention(nnx.Module):
     q, key, value = qkv[:, :, :n], qkv[:, :, n : n + k], qkv[:, :, n + k : n + 2 * k]
     if s.qk_norm:
       q, key = self.q_norm(q), self.k_norm(key)
-    q, key = s.rope(q, inputs.positions), s.rope(key, inputs.positions)
+    gate = qkv[:, :, n + 2 * k :] if s.output_gate else None
+    return s.rope(q, positions), s.rope(key, positions), value, gate
+
+  def output(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """Attention output [B, T, N, H] (gated) through `o_proj` -> [B, T, D]."""
+    b, t, n, h = out.shape
+    if gate is not None:
+      out = out * jax.nn.sigmoid(gate)
+    return jnp.einsum('bte,ed->btd', out.reshape(b, t, n * h), self.o_proj[...])
+
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, D]
+      inputs: StepInputs,
+      kv: PagedKV | None,
+  ) -> tuple[jax.Array, PagedKV | None]:
+    s = self.spec
+    q, key, value, gate = self.project(x, inputs.positions)
     if kv is None:
       out = dense_attention(q, key, value, inputs, scale=s.scale, window=s.window, softcap=s.softcap)
     else:
@@ -233,9 +246,7 @@ class Attention(nnx.Module):
           scale=s.scale,
           impl=self.impl,
       )
-    if s.output_gate:
-      out = out * jax.nn.sigmoid(qkv[:, :, n + 2 * k :])
-    return jnp.einsum('bte,ed->btd', out.reshape(b, t, n * h), self.o_proj[...]), kv
+    return self.output(out, gate), kv
 
 
 # ---------------------------------------------------------------- feed-forward

@@ -8,8 +8,8 @@ by silu(z)); attention with q/k norms, RoPE on the first 25% of each head
 in `q_proj`; SwiGLU MLPs, or a mixture of experts (softmax router, top-k,
 renormalised weights, a shared expert scaled by `sigmoid(shared_expert_gate)`);
 no embedding scale; untied head unless `tie_word_embeddings`. Checkpoints may
-carry a multi-token-prediction head (`mtp.*`): `MTPHead`, a drafter module with
-its own params (`mtp_params_from_hf`), built when asked for.
+carry a multi-token-prediction head (`mtp.*`): `mtp_head` builds it (`specjax.models.mtp.MTPHead`), a
+drafter module with its own params (`mtp_params_from_hf`), built when asked for.
 
 Decode and verify steps (T <= the cache's state slots) run the recurrent GDN
 form and keep the state after every position; longer prefill chunks run the
@@ -35,6 +35,7 @@ from specjax.errors import SpecjaxError
 from specjax.models import gated_deltanet as gdn
 from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInputs
 from specjax.models.layers import Attention, AttentionSpec, DecoderBlock, GatedMLP, MoE, RMSNorm, Rope, param
+from specjax.models.mtp import MTPHead
 from specjax.models.transformer import mlp_params
 from specjax.models.weights import tensor_taker
 
@@ -244,46 +245,11 @@ def _block(cfg: Qwen35Config, layer_type: str, moe: bool, attention_impl: str, d
   return DecoderBlock(d, mixer, mlp, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype)
 
 
-class MTPHead(nnx.Module):
-  """The checkpoint's multi-token-prediction head (`mtp.*`), a drafter module apart from the target.
-
-  `fc(concat(norm(embed(x_{t+1})), norm(h_t)))` -> one full-attention block with
-  its own paged KV cache -> final norm; the target's embedding and head are
-  shared (passed in, not owned).
-  """
-
-  def __init__(
-      self, cfg: Qwen35Config, *, attention_impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs | None = None
-  ):
-    rngs = rngs or nnx.Rngs(0)
-    d = cfg.hidden_size
-    norm = lambda: RMSNorm(d, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype)
-    self.pre_fc_norm_embedding = norm()
-    self.pre_fc_norm_hidden = norm()
-    self.fc = param(rngs, (2 * d, d), dtype)
-    self.layer = _block(cfg, FULL, cfg.num_experts > 0, attention_impl, dtype, rngs)
-    self.norm = norm()
-
-  def cache_layout(self) -> CacheLayout:
-    spec = self.layer.mixer.spec
-    return CacheLayout(((spec.num_kv_heads, spec.head_dim),))
-
-  def __call__(
-      self,
-      embeds: jax.Array,  # [B, T, D] embeddings of the next tokens
-      hidden: jax.Array,  # [B, T, D] target (or previous MTP) final hidden states
-      cache: KVCache | None,  # one attention layer
-      inputs: StepInputs,
-  ) -> tuple[jax.Array, KVCache | None]:
-    x = jnp.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
-    x = jnp.einsum('bte,ed->btd', x, self.fc[...])
-    kv = None
-    if cache is not None:
-      kv = PagedKV(cache.k_pages[0], cache.v_pages[0], cache.block_tables, cache.lengths + inputs.query_lens)
-    x, kv = self.layer(x, lambda attn, y: attn(y, inputs, kv))
-    if cache is not None:
-      cache = dataclasses.replace(cache, k_pages=(kv.k_pages,), v_pages=(kv.v_pages,), lengths=kv.lengths)
-    return self.norm(x), cache
+def mtp_head(cfg: Qwen35Config, *, attention_impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+  """The checkpoint's multi-token-prediction head (`mtp.*`): an `MTPHead` over one full-attention block."""
+  rngs = rngs or nnx.Rngs(0)
+  layer = _block(cfg, FULL, cfg.num_experts > 0, attention_impl, dtype, rngs)
+  return MTPHead(cfg.hidden_size, layer, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype, rngs=rngs)
 
 
 class Qwen35(ChainAppend, nnx.Module):

@@ -1,0 +1,87 @@
+"""A multi-token-prediction head (Qwen3.5 / Qwen3-Next `mtp.*`, DeepSeek-V3's MTP), for any target.
+
+  x = fc(concat(norm_e(embed(x_{t+1})), norm_h(h_t)))  ->  one decoder block  ->  norm
+
+`h_t` is the target's final-normed hidden state at position t (or the head's
+own output, drafting deeper); the result goes through the target's LM head and
+predicts x_{t+2}. The block has its own paged KV cache; the target's
+embedding and head are shared (passed in, not owned). `for_target` builds one
+for a loaded target of any family: Qwen's layout for the hybrids (gated
+attention), else a block like the target's last full-attention layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.cache.paged import KVCache
+from specjax.models.contract import CacheLayout, PagedKV, StepInputs
+from specjax.models.layers import Attention, DecoderBlock, GatedMLP, RMSNorm, param
+
+
+class MTPHead(nnx.Module):
+  """`fc` over [norm(embedding), norm(hidden)], one decoder block (`layer`), a final norm."""
+
+  def __init__(self, dim: int, layer: DecoderBlock, *, eps: float, offset: float, dtype, rngs: nnx.Rngs):
+    norm = lambda: RMSNorm(dim, eps=eps, offset=offset, dtype=dtype)
+    self.pre_fc_norm_embedding = norm()
+    self.pre_fc_norm_hidden = norm()
+    self.fc = param(rngs, (2 * dim, dim), dtype)
+    self.layer = layer
+    self.norm = norm()
+
+  def cache_layout(self) -> CacheLayout:
+    spec = self.layer.mixer.spec
+    return CacheLayout(((spec.num_kv_heads, spec.head_dim),))
+
+  def fuse(self, embeds: jax.Array, hidden: jax.Array) -> jax.Array:  # [B, T, D] x 2 -> [B, T, D]
+    x = jnp.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
+    return jnp.einsum('bte,ed->btd', x, self.fc[...])
+
+  def __call__(
+      self,
+      embeds: jax.Array,  # [B, T, D] embeddings of the next tokens
+      hidden: jax.Array,  # [B, T, D] target (or previous MTP) final hidden states
+      cache: KVCache | None,  # one attention layer
+      inputs: StepInputs,
+  ) -> tuple[jax.Array, KVCache | None]:
+    x = self.fuse(embeds, hidden)
+    kv = None
+    if cache is not None:
+      kv = PagedKV(cache.k_pages[0], cache.v_pages[0], cache.block_tables, cache.lengths + inputs.query_lens)
+    x, kv = self.layer(x, lambda attn, y: attn(y, inputs, kv))
+    if cache is not None:
+      cache = dataclasses.replace(cache, k_pages=(kv.k_pages,), v_pages=(kv.v_pages,), lengths=kv.lengths)
+    return self.norm(x), cache
+
+
+def decoder_mtp_head(spec, *, attention_impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+  """An MTP head for a `DecoderLM` (`spec`: its `DecoderSpec`): a block like its last full-attention layer."""
+  rngs = rngs or nnx.Rngs(0)
+  full = [a for a in spec.layers if a.window is None]
+  attn = dataclasses.replace(full[-1] if full else spec.layers[-1], window=None)
+  d = spec.hidden_size
+  layer = DecoderBlock(
+      d,
+      Attention(d, attn, impl=attention_impl, dtype=dtype, rngs=rngs),
+      GatedMLP(d, spec.intermediate_size, activation=spec.activation, dtype=dtype, rngs=rngs),
+      eps=spec.norm_eps,
+      offset=spec.norm_offset,
+      sandwich=spec.sandwich_norms,
+      dtype=dtype,
+  )
+  return MTPHead(d, layer, eps=spec.norm_eps, offset=spec.norm_offset, dtype=dtype, rngs=rngs)
+
+
+def for_target(target, *, rngs: nnx.Rngs | None = None, attention_impl: str = 'auto') -> MTPHead:
+  """A freshly initialised MTP head for a loaded target (`specjax.models.base.Model`), in its dtype."""
+  from specjax.models import qwen3_5
+
+  dtype = target.dtype or jnp.float32
+  if isinstance(target.config, qwen3_5.Qwen35Config):
+    return qwen3_5.mtp_head(target.config, attention_impl=attention_impl, dtype=dtype, rngs=rngs)
+  return decoder_mtp_head(target.config.decoder_spec(), attention_impl=attention_impl, dtype=dtype, rngs=rngs)
