@@ -244,7 +244,7 @@ def load_engine(args):
   kind = drafter_kind(args)
   family = get(kind)
   options = family.make_options(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(family.options)})
-  heads = {h: True for h in family.target_heads}  # e.g. mtp=True: the target loads its MTP head
+  heads = {h: True for h in family.heads_for(options)}  # e.g. mtp=True: the target loads its MTP head
   model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **heads)
   engine = specjax.Engine(
       model,

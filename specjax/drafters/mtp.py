@@ -31,7 +31,7 @@ from flax import nnx
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
-from specjax.drafters.registry import DrafterFamily
+from specjax.drafters.registry import DrafterFamily, option
 from specjax.errors import SpecjaxError
 from specjax.models.contract import StepInputs
 from specjax.sampling import STREAM_SAMPLE
@@ -139,21 +139,39 @@ class MTPDrafter(Drafter):
 
 @dataclasses.dataclass(frozen=True)
 class MTPOptions:
-  """The built-in head has no settings: its depth is the step's K."""
+  """The head: the checkpoint's built-in one, or a trained one (`specjax train`'s export); depth is the step's K."""
+
+  draft_model: Any = option(
+      None,
+      '--draft-model',
+      '--mtp-model',
+      type=str,
+      help='mtp: a trained MTP head (the export/ directory of `specjax train`; default: the built-in head)',
+  )
 
 
 def _build(target, options: MTPOptions) -> MTPDrafter:
-  graphdef, params = target.heads['mtp']
+  if options.draft_model is not None:
+    from specjax.loading.mtp_head import load_mtp_head
+
+    graphdef, params = load_mtp_head(options.draft_model, target)
+  else:
+    graphdef, params = target.heads['mtp']
   return MTPDrafter(graphdef=graphdef, head_params=params, hidden_size=target.config.hidden_size)
+
+
+def _check(target, options: MTPOptions) -> None:
+  if options.draft_model is None:
+    check_mtp_target(target)
 
 
 FAMILY = DrafterFamily(
     name='mtp',
     options=MTPOptions,
     build=_build,
-    check=lambda target, o: check_mtp_target(target),
+    check=_check,
     depths=(2, 3, 4, 6),
     default_depth=3,
-    target_heads=('mtp',),
-    help="the checkpoint's built-in MTP head (Qwen3.5 / Qwen3-Next mtp.*)",
+    target_heads=lambda o: () if o.draft_model is not None else ('mtp',),
+    help="an MTP head: the checkpoint's built-in one (Qwen3.5 / Qwen3-Next mtp.*) or --draft-model DIR (trained)",
 )

@@ -30,7 +30,8 @@ class DrafterFamily:
   depths: tuple[int, ...] = (2, 4, 6, 8)  # the tuner's candidates (before the cap)
   default_depth: int = 4  # K when none is given
   max_depth: Callable[[Any], int] = lambda options: 16  # the deepest K the family drafts
-  target_heads: tuple[str, ...] = ()  # built-in heads the target loads for it (`specjax.load(..., mtp=True)`)
+  # Built-in heads the target loads for it (`specjax.load(..., mtp=True)`), or a function of the options.
+  target_heads: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
   label: Callable[[Any], str] | None = None  # a short name for tables, from the options
   help: str = ''
 
@@ -54,6 +55,10 @@ class DrafterFamily:
       raise SpecjaxError(f'max_depth must be at least 1, got {max_depth}')
     cap = min(max_depth, self.max_depth(options if options is not None else self.options()))
     return tuple(sorted({min(k, cap) for k in self.depths}))
+
+  def heads_for(self, options: Any) -> tuple[str, ...]:
+    """The built-in heads the target loads for a drafter with these options."""
+    return self.target_heads(options) if callable(self.target_heads) else self.target_heads
 
   def describe(self, options: Any) -> str:
     return self.label(options) if self.label else self.name

@@ -20,7 +20,8 @@ from flax import nnx
 
 from specjax.cache.paged import KVCache
 from specjax.models.contract import CacheLayout, PagedKV, StepInputs
-from specjax.models.layers import Attention, DecoderBlock, GatedMLP, RMSNorm, param
+from specjax.models.layers import Attention, AttentionSpec, DecoderBlock, GatedMLP, RMSNorm, param
+from specjax.models.weights import tensor_taker
 
 
 class MTPHead(nnx.Module):
@@ -59,11 +60,16 @@ class MTPHead(nnx.Module):
     return self.norm(x), cache
 
 
+def _attention_spec(spec) -> AttentionSpec:
+  """The head's attention: the target's last full-attention layer's (or its last layer's, without a window)."""
+  full = [a for a in spec.layers if a.window is None]
+  return dataclasses.replace(full[-1] if full else spec.layers[-1], window=None)
+
+
 def decoder_mtp_head(spec, *, attention_impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs | None = None):
   """An MTP head for a `DecoderLM` (`spec`: its `DecoderSpec`): a block like its last full-attention layer."""
   rngs = rngs or nnx.Rngs(0)
-  full = [a for a in spec.layers if a.window is None]
-  attn = dataclasses.replace(full[-1] if full else spec.layers[-1], window=None)
+  attn = _attention_spec(spec)
   d = spec.hidden_size
   layer = DecoderBlock(
       d,
@@ -77,11 +83,34 @@ def decoder_mtp_head(spec, *, attention_impl: str = 'auto', dtype=jnp.float32, r
   return MTPHead(d, layer, eps=spec.norm_eps, offset=spec.norm_offset, dtype=dtype, rngs=rngs)
 
 
-def for_target(target, *, rngs: nnx.Rngs | None = None, attention_impl: str = 'auto') -> MTPHead:
-  """A freshly initialised MTP head for a loaded target (`specjax.models.base.Model`), in its dtype."""
+def for_target(target, *, rngs: nnx.Rngs | None = None, attention_impl: str = 'auto', dtype=None) -> MTPHead:
+  """A freshly initialised MTP head for a loaded target (`specjax.models.base.Model`), in `dtype` (its own)."""
   from specjax.models import qwen3_5
 
-  dtype = target.dtype or jnp.float32
+  dtype = dtype or target.dtype or jnp.float32
   if isinstance(target.config, qwen3_5.Qwen35Config):
     return qwen3_5.mtp_head(target.config, attention_impl=attention_impl, dtype=dtype, rngs=rngs)
   return decoder_mtp_head(target.config.decoder_spec(), attention_impl=attention_impl, dtype=dtype, rngs=rngs)
+
+
+def params_from_hf(target_config, tensors: dict) -> dict:
+  """HF-named `mtp.*` tensors (Qwen's names: `mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.layers.0.*`, `mtp.norm`) as
+  the pure-dict state of `for_target`'s head for a target with this config."""
+  from specjax.models import qwen3_5
+  from specjax.models.transformer import block_params
+
+  if isinstance(target_config, qwen3_5.Qwen35Config):
+    return qwen3_5.mtp_params_from_hf(target_config, tensors)
+  spec = target_config.decoder_spec()
+  take = tensor_taker(tensors)
+  d = spec.hidden_size
+  layer = block_params(
+      take, 'mtp.layers.0.', _attention_spec(spec), d, spec.intermediate_size, sandwich=spec.sandwich_norms
+  )
+  return {
+      'pre_fc_norm_embedding': {'scale': take('mtp.pre_fc_norm_embedding.weight', (d,))},
+      'pre_fc_norm_hidden': {'scale': take('mtp.pre_fc_norm_hidden.weight', (d,))},
+      'fc': take('mtp.fc.weight', (d, 2 * d)).T,
+      'layer': layer,
+      'norm': {'scale': take('mtp.norm.weight', (d,))},
+  }

@@ -163,7 +163,9 @@ class _Workbench:
     keys = {self.engine_key(c, b) for c in cells for b in (False, True)}
     # Targets load the heads their cells' drafters need (their baselines share that model).
     self.mtp_models = {
-        (c.config['model'], c.config['attention_impl']) for c in cells if 'mtp' in _family(c).target_heads
+        (c.config['model'], c.config['attention_impl'])
+        for c in cells
+        if 'mtp' in _family(c).heads_for(drafter_options(c))
     }
     models = {k[:2] for k in keys} | {
         (c.config['drafter.draft_model'], c.config['attention_impl'])

@@ -1,0 +1,85 @@
+"""A trained MTP head on disk: `config.json` + `model.safetensors` with Qwen's `mtp.*` names.
+
+`specjax train` (drafter.kind = mtp) exports this layout; `load_mtp_head(path,
+target)` reads it back for the target it was trained on (the `mtp` drafter's
+`draft_model` option, `specjax run --drafter mtp --draft-model DIR`). The
+tensors are named as in a Qwen3.5 checkpoint (`mtp.fc.weight` [D, 2D],
+`mtp.pre_fc_norm_embedding.weight`, `mtp.pre_fc_norm_hidden.weight`,
+`mtp.layers.0.*` in the target family's layer names, `mtp.norm.weight`),
+float32. For a Qwen3.5 / Qwen3-Next target they are exactly the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+from flax import nnx
+
+from specjax.errors import SpecjaxError
+
+ARCHITECTURE = 'SpecjaxMTPHead'
+CONFIG, WEIGHTS = 'config.json', 'model.safetensors'
+
+
+def _describe(target) -> dict:
+  return {
+      'target_model_type': target.architecture,
+      'hidden_size': int(target.config.hidden_size),
+      'vocab_size': int(target.config.vocab_size),
+      'tokenizer_fingerprint': target.tokenizer.fingerprint(),
+  }
+
+
+def save_mtp_head(path: str, target, params, *, extra: dict | None = None) -> None:
+  """Writes `params` (an `MTPHead` state for `target`) to the directory `path`."""
+  from safetensors.numpy import save_file
+
+  from specjax.models import mtp
+  from specjax.models.weights import hf_from_params
+
+  pure = params.to_pure_dict() if hasattr(params, 'to_pure_dict') else params
+  tensors = hf_from_params(lambda t: mtp.params_from_hf(target.config, t), jax.device_get(pure))
+  os.makedirs(path, exist_ok=True)
+  save_file(tensors, os.path.join(path, WEIGHTS + '.tmp'), metadata={'format': 'pt'})
+  os.replace(os.path.join(path, WEIGHTS + '.tmp'), os.path.join(path, WEIGHTS))
+  config = {
+      'architectures': [ARCHITECTURE],
+      'model_type': 'specjax_mtp',
+      'mtp_num_hidden_layers': 1,
+      **_describe(target),
+      'torch_dtype': 'float32',
+      **(extra or {}),
+  }
+  with open(os.path.join(path, CONFIG), 'w', encoding='utf-8') as f:
+    json.dump(config, f, indent=2)
+    f.write('\n')
+
+
+def load_mtp_head(path: str, target, *, attention_impl: str = 'auto') -> tuple[nnx.GraphDef, nnx.State]:
+  """An exported MTP head for `target` (a loaded Model): (graphdef, params) in the target's dtype."""
+  from safetensors.numpy import load_file
+
+  from specjax.loading import fill
+  from specjax.models import mtp
+
+  config_path = os.path.join(path, CONFIG)
+  if not os.path.isfile(config_path) or not os.path.isfile(os.path.join(path, WEIGHTS)):
+    raise SpecjaxError(f'{path}: not an exported MTP head (needs {CONFIG} and {WEIGHTS})')
+  with open(config_path, encoding='utf-8') as f:
+    config = json.load(f)
+  if ARCHITECTURE not in config.get('architectures', []):
+    raise SpecjaxError(f'{path}: {CONFIG} is not an MTP head (architectures {config.get("architectures")})')
+  want = _describe(target)
+  for key in ('target_model_type', 'hidden_size', 'vocab_size', 'tokenizer_fingerprint'):
+    if config.get(key) != want[key]:
+      raise SpecjaxError(
+          f'{path}: trained for another target ({key} {config.get(key)!r}, this target has {want[key]!r})'
+      )
+  tensors = load_file(os.path.join(path, WEIGHTS))
+  abstract = nnx.eval_shape(lambda: mtp.for_target(target, attention_impl=attention_impl))
+  pure = mtp.params_from_hf(target.config, tensors)
+  if tensors:
+    raise SpecjaxError(f'{path}: unexpected weights {sorted(tensors)[:5]}')
+  return fill(abstract, pure, target.dtype, path)

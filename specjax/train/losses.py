@@ -1,0 +1,116 @@
+"""Pieces every drafter loss shares: target features, shifts, training-time-test attention, chunked soft CE.
+
+A batch holds packed rows (`specjax.train.data.Packed`): `tokens`,
+`positions`, `segments` (0: padding) and `loss_mask`, each [B, T]. The frozen
+target runs cache-free over them (`target_features`): a token sees the earlier
+tokens of its own sequence.
+
+Training-time test (EAGLE-3, and the MTP head drafting deeper): step i runs
+the drafter at row t at position t + i on step i - 1's output; its attention
+sees step 0's keys causally (rows <= t of its sequence) OR the keys of steps
+1..i at its own row (the diagonal): exactly what the drafter's cache holds
+when it drafts the (i+1)-th token in serving.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import MASK_VALUE
+from specjax.models.contract import StepInputs
+
+
+def shift(x: jax.Array, k: int, fill=0) -> jax.Array:
+  """x[:, t + k] at t (axis 1), `fill` past the end."""
+  if k == 0:
+    return x
+  pad = [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2)
+  return jnp.pad(x[:, k:], pad, constant_values=fill)
+
+
+def segment_mask(segments: jax.Array) -> jax.Array:  # [B, T] -> [B, T, T]
+  """Token i sees token j iff j <= i in the same (non-padding) sequence."""
+  t = segments.shape[1]
+  causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  return causal[None] & (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0)
+
+
+def target_features(target, batch: dict, taps: tuple[int, ...] = ()) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """The frozen target over packed rows: final-normed hidden [B, T, D] and the residuals after `taps`."""
+  tokens = batch['tokens']
+  lens = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+  inputs = StepInputs(batch['positions'], lens, segment_mask(batch['segments']))
+  hidden, _, tapped = target.forward(tokens, inputs, None, taps)
+  return jax.lax.stop_gradient(hidden), tuple(jax.lax.stop_gradient(x) for x in tapped)
+
+
+def ttt_attention(attn, x: jax.Array, positions: jax.Array, mask: jax.Array, prev: list) -> tuple[jax.Array, tuple]:
+  """One training-time-test step of an `Attention` block.
+
+  x [B, T, D] at `positions` [B, T]; `mask` [B, T, T] the step-0 (causal) mask;
+  `prev` the (keys, values) of the earlier steps, step 0 first. Returns the
+  output [B, T, D] and this step's (keys, values).
+  """
+  s = attn.spec
+  q, k, v, gate = attn.project(x, positions)
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  qg = q.reshape(b, t, kh, n // kh, h)
+  (k0, v0), diag = (prev[0], prev[1:] + [(k, v)]) if prev else ((k, v), [])
+  logits = [jnp.einsum('btkgh,bskh->bkgts', qg, k0, preferred_element_type=jnp.float32) * s.scale]
+  logits += [
+      jnp.einsum('btkgh,btkh->bkgt', qg, kj, preferred_element_type=jnp.float32)[..., None] * s.scale for kj, _ in diag
+  ]
+  logits = jnp.concatenate(logits, axis=-1)  # [B, K, G, T, T + steps]
+  if s.softcap:
+    logits = jnp.tanh(logits / s.softcap) * s.softcap
+  seen = mask
+  if s.window is not None:  # step-0 key j at position p_j, this query at p_i (+ the step): p_i - p_j < window
+    seen = seen & (positions[:, :, None] - (positions - len(diag))[:, None, :] < s.window)
+  seen = jnp.concatenate([seen, jnp.ones((b, t, len(diag)), bool)], axis=-1)
+  logits = jnp.where(seen[:, None, None], logits, MASK_VALUE)
+  probs = jax.nn.softmax(logits, axis=-1)
+  probs = jnp.where(jnp.any(seen, axis=-1)[:, None, None, :, None], probs, 0.0).astype(v.dtype)
+  out = jnp.einsum('bkgts,bskh->btkgh', probs[..., :t], v0)
+  for j, (_, vj) in enumerate(diag):
+    out = out + jnp.einsum('bkgt,btkh->btkgh', probs[..., t + j], vj)
+  return attn.output(out.reshape(b, t, n, h), gate), (k, v)
+
+
+def soft_ce(
+    draft_logits,  # fn: [B, C, D] -> [B, C, V'] the drafter's logits
+    target_logits,  # fn: [B, C, D] -> [B, C, V'] the target's logits (on the drafter's vocabulary)
+    draft_hidden: jax.Array,  # [B, T, D]
+    target_hidden: jax.Array,  # [B, T, D] aligned: row t holds the target state whose next token row t predicts
+    valid: jax.Array,  # [B, T] bool
+    chunk: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Soft cross-entropy against the target distribution, top-1 agreement and the count of valid rows.
+
+  The vocabulary projection runs `chunk` positions at a time (rematerialised
+  in the backward pass), so [B, T, V] logits never exist at once.
+  """
+  b, t, _ = draft_hidden.shape
+  c = min(chunk, t)
+  pad = -t % c
+  if pad:
+    draft_hidden, target_hidden = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (draft_hidden, target_hidden))
+    valid = jnp.pad(valid, ((0, 0), (0, pad)))
+  split = lambda x: jnp.moveaxis(x.reshape((b, -1, c) + x.shape[2:]), 1, 0)  # [chunks, B, C, ...]
+
+  @jax.checkpoint
+  def body(carry, xs):
+    dh, th, v = xs
+    logq = jax.nn.log_softmax(draft_logits(dh).astype(jnp.float32), axis=-1)
+    p_logits = jax.lax.stop_gradient(target_logits(th).astype(jnp.float32))
+    ce = -jnp.sum(jax.nn.softmax(p_logits, axis=-1) * logq, axis=-1)
+    agree = jnp.argmax(logq, axis=-1) == jnp.argmax(p_logits, axis=-1)
+    v = v.astype(jnp.float32)
+    return (carry[0] + jnp.sum(ce * v), carry[1] + jnp.sum(agree * v), carry[2] + jnp.sum(v)), None
+
+  zero = jnp.zeros((), jnp.float32)
+  (ce, agree, count), _ = jax.lax.scan(
+      body, (zero, zero, zero), (split(draft_hidden), split(target_hidden), split(valid))
+  )
+  return ce, agree, count

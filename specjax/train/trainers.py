@@ -1,0 +1,71 @@
+"""What a drafter family supplies to `specjax train`: the `DrafterTrainer` interface and its registry.
+
+  init(key)                                   -> params (an nnx.State of the drafter's weights)
+  loss(params, target, batch, key)            -> (loss, metrics)      (jitted; target: the merged frozen module)
+  export(params, path)                        -> writes the family's upstream layout
+  load(path)                                  -> params               (the export read back, for tests)
+
+`metrics` holds at least `agree` and `count`, each [positions]: top-1
+agreements with the target and counted predictions per draft position
+(training-time-test step), summed over the batch; `ce` the summed soft
+cross-entropy per position. A family registers `make(config, target, data)
+-> DrafterTrainer` in `TRAINERS` (`data`: the packed training rows, e.g. for
+a draft vocabulary); the loop (`specjax.train.loop`) does the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from specjax.errors import SpecjaxError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DrafterTrainer:
+  kind: str = 'drafter'
+  positions: int = 1  # draft positions the metrics cover
+  taps: tuple[int, ...] = ()  # target layers whose residuals the loss reads
+
+  def init(self, key) -> Any:
+    raise NotImplementedError
+
+  def loss(self, params, target, batch: dict, key) -> tuple[Any, dict]:
+    raise NotImplementedError
+
+  def export(self, params, path: str) -> None:
+    raise NotImplementedError
+
+  def load(self, path: str) -> Any:
+    raise NotImplementedError
+
+
+def _mtp(config, target, data):
+  from specjax.train.mtp import make
+
+  return make(config, target, data)
+
+
+def _eagle3(config, target, data):
+  raise SpecjaxError('drafter.kind eagle3: training lands with the EAGLE-3 head module (specjax/models/eagle3.py)')
+
+
+def _dflash(config, target, data):
+  # The hook for DFlash: random anchors (up to 512 per sequence), blocks [x_a, MASK x (B - 1)] packed after the
+  # context with the block mask, CE weighted exp(-(k - 1) / gamma); see ../shared/reference/training.md.
+  raise SpecjaxError('drafter.kind dflash: training is not implemented yet (its own issue)')
+
+
+TRAINERS: dict[str, Callable[[Any, Any, Any], DrafterTrainer]] = {'mtp': _mtp, 'eagle3': _eagle3, 'dflash': _dflash}
+
+
+def check_taps(layer_ids: list[int], num_layers: int) -> None:
+  bad = [i for i in layer_ids if not isinstance(i, int) or not 0 <= i < num_layers]
+  if bad:
+    raise SpecjaxError(f'drafter.target_layer_ids {bad} out of range: the target has layers 0..{num_layers - 1}')
+
+
+def make_trainer(config, target, data) -> DrafterTrainer:
+  """The trainer of `config['drafter.kind']` for `target` (a loaded Model), checked before any training."""
+  check_taps(config['drafter.target_layer_ids'], target.config.num_layers)
+  return TRAINERS[config['drafter.kind']](config, target, data)
