@@ -3,6 +3,7 @@
 specjax generate -m MODEL --prompt TEXT [--prompt-file F [--prompts-per-line]] [--max-new-tokens N]
                  [--temperature T --top-k K --top-p P --min-p M --seed S] [--json]
 specjax sweep CONFIG [--out DIR] [KEY=VALUE ...]
+specjax train CONFIG --out DIR [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -343,6 +344,20 @@ def cmd_sweep(args) -> int:
   return 0
 
 
+def cmd_train(args) -> int:
+  from specjax.train import run_training
+
+  report = run_training(args.config, args.out, args.overrides, progress=not args.quiet)
+  ev = report['eval']
+  print(
+      f"trained {report['steps']} steps (from step {report['start_step']}); loss {report['loss']}; "
+      + (f"eval τ ≈ {ev['tau']:.2f}; " if ev else '')
+      + (f"{report['tokens_per_s']:,.0f} tokens/s; " if report['tokens_per_s'] else '')
+      + f"drafter in {report['export']}/ (metrics.jsonl, curves.png, manifest.json in {args.out}/)"
+  )
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog='specjax', description='Speculative decoding research framework (JAX).')
   sub = parser.add_subparsers(dest='command', required=True)
@@ -392,6 +407,14 @@ def build_parser() -> argparse.ArgumentParser:
   sweep.add_argument('--out', default=None, help='output directory (default: runs/<config file name>)')
   sweep.add_argument('--quiet', action='store_true', help='no progress bar')
   sweep.set_defaults(func=cmd_sweep)
+  train = sub.add_parser('train', help='train a drafter (mtp, eagle3) against a frozen target; rerun to resume')
+  train.add_argument('config', help='ml_collections config file defining get_config() (see configs/train_*.py)')
+  train.add_argument(
+      'overrides', nargs='*', metavar='KEY=VALUE', help='overrides, e.g. train.steps=100 data.path=data.jsonl'
+  )
+  train.add_argument('--out', required=True, help='output directory (checkpoints, metrics, export/)')
+  train.add_argument('--quiet', action='store_true', help='no progress bar')
+  train.set_defaults(func=cmd_train)
   return parser
 
 
@@ -399,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
   parser = build_parser()
   args, extra = parser.parse_known_args(argv)
   if extra:  # sweep overrides may follow its options: `specjax sweep CONFIG --out DIR key=value ...`
-    if args.command == 'sweep' and all('=' in e and not e.startswith('-') for e in extra):
+    if args.command in ('sweep', 'train') and all('=' in e and not e.startswith('-') for e in extra):
       args.overrides += extra
     else:
       parser.error(f'unrecognized arguments: {" ".join(extra)}')

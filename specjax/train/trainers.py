@@ -65,7 +65,15 @@ def check_taps(layer_ids: list[int], num_layers: int) -> None:
     raise SpecjaxError(f'drafter.target_layer_ids {bad} out of range: the target has layers 0..{num_layers - 1}')
 
 
-def make_trainer(config, target, data) -> DrafterTrainer:
-  """The trainer of `config['drafter.kind']` for `target` (a loaded Model), checked before any training."""
+def check_config(config, target) -> None:
+  """What a config asks of the target (taps in range, a draft vocabulary within the target's): before any data."""
   check_taps(config['drafter.target_layer_ids'], target.config.num_layers)
+  vocab, draft_vocab = target.config.vocab_size, config['drafter.draft_vocab_size']
+  if config['drafter.kind'] == 'eagle3' and not 1 <= draft_vocab <= vocab:
+    raise SpecjaxError(f'drafter.draft_vocab_size={draft_vocab} must be in 1..{vocab} (the target vocabulary)')
+
+
+def make_trainer(config, target, data) -> DrafterTrainer:
+  """The trainer of `config['drafter.kind']` for `target` (a loaded Model) and the packed training rows."""
+  check_config(config, target)
   return TRAINERS[config['drafter.kind']](config, target, data)

@@ -1,0 +1,241 @@
+"""`specjax train` on the tiny target: loss falls, resume is bit-identical, data-parallel = one device, export
+serves the same drafts, the training-time-test unroll is the serving computation, bad configs fail in one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY
+from specjax.errors import SpecjaxError
+
+WORDS = 'the cat sat on a mat and the dog ran to the park while birds sang in trees'.split()
+
+
+def make_data(path, n=48, seed=0):
+  rng = np.random.default_rng(seed)
+  say = lambda k: ' '.join(rng.choice(WORDS, k))
+  with open(path, 'w', encoding='utf-8') as f:
+    for i in range(n):
+      q, a = say(rng.integers(3, 8)), say(rng.integers(5, 16))
+      row = [
+          {'conversations': [{'from': 'human', 'value': q}, {'from': 'gpt', 'value': a}]},
+          {'prompt': q, 'response': a},
+          {'text': f'{q} {a}'},
+      ][i % 3]
+      f.write(json.dumps(row) + '\n')
+  return str(path)
+
+
+def config(data, **train):
+  return {
+      'target': {'model': TINY},
+      'data': {'path': data, 'max_len': 32},
+      'train': {'steps': 12, 'batch_size': 4, 'lr': 3e-3, 'ttt_steps': 2, 'log_every': 1, 'save_every': 4, **train},
+      'eval': {'every': 6, 'limit': 6},
+  }
+
+
+def train_lines(out):
+  with open(os.path.join(out, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def same(a, b) -> bool:
+  return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+  return make_data(tmp_path_factory.mktemp('data') / 'train.jsonl')
+
+
+@pytest.fixture(scope='module')
+def trained(data, tmp_path_factory):
+  from specjax.train import run_training
+
+  out = str(tmp_path_factory.mktemp('run') / 'a')
+  return out, run_training(config(data), out, progress=False)
+
+
+def test_loss_falls(trained):
+  out, report = trained
+  lines = [r for r in train_lines(out) if r['type'] == 'train']
+  assert [r['step'] for r in lines] == list(range(1, 13))
+  first, last = np.mean([r['loss'] for r in lines[:3]]), np.mean([r['loss'] for r in lines[-3:]])
+  assert last < first - 0.1, (first, last)
+  assert all(len(r['agree']) == 2 and r['lr'] > 0 for r in lines)
+  evals = [r for r in train_lines(out) if r['type'] == 'eval']
+  assert [r['step'] for r in evals] == [6, 12] and all(r['tau'] >= 1 for r in evals)
+  assert report['tokens_per_s'] > 0
+  manifest = json.load(open(os.path.join(out, 'manifest.json')))
+  assert manifest['config_hash'] and manifest['versions']['optax'] and manifest['steps_done'] == 12
+  assert os.path.isfile(os.path.join(out, 'curves.png'))
+  assert sorted(os.listdir(os.path.join(out, 'export'))) == ['config.json', 'model.safetensors']
+
+
+def test_expected_tau():
+  from specjax.train import expected_tau
+
+  assert expected_tau([5, 2], [10, 4]) == pytest.approx(1 + 0.5 + 0.25)
+  assert expected_tau([0, 0], [0, 0]) == 1.0
+
+
+def test_resume_after_kill_is_bit_identical(data, trained, tmp_path):
+  from specjax.train import run_training
+
+  out_a, report_a = trained
+  out = str(tmp_path / 'b')
+  killed = run_training(config(data), out, progress=False, stop_at=6)  # checkpoint at step 4; steps 5-6 lost
+  assert killed['stopped_at'] == 6
+  # A save cut short by the kill: orbax's temporary folder, never a checkpoint.
+  partial = os.path.join(out, 'checkpoints', '8.orbax-checkpoint-tmp-1234567')
+  os.makedirs(partial)
+  open(os.path.join(partial, 'junk'), 'w').close()
+  report = run_training(config(data), out, progress=False)
+  assert report['start_step'] == 4
+  assert same(jax.device_get(report['params']), jax.device_get(report_a['params']))
+  strip = lambda rows: [{k: v for k, v in r.items() if k not in ('tokens_per_s',)} for r in rows]
+  assert strip(train_lines(out)) == strip(train_lines(out_a))
+  with pytest.raises(SpecjaxError, match='another config'):
+    run_training(config(data, lr=1e-3), out, progress=False)
+
+
+def test_export_serves_the_trained_drafter(trained):
+  import specjax
+  from specjax.drafters import make_drafter
+  from specjax.drafters.mtp import MTPDrafter
+
+  out, report = trained
+  model = specjax.load(TINY)
+  params = jax.device_get(report['params'])
+  served = make_drafter('mtp', model, draft_model=os.path.join(out, 'export'))
+  assert same(jax.device_get(served.head_params), params)
+  direct = MTPDrafter(graphdef=served.graphdef, head_params=params, hidden_size=model.config.hidden_size)
+  prompts = ['the cat sat on the', 'birds sang in']
+  runs = [
+      specjax.Engine(model, drafter=d, max_draft=3, page_size=4).generate(
+          prompts, max_new_tokens=12, num_draft=3, trace=True
+      )[0]
+      for d in (served, direct)
+  ]
+  assert [r.trace for r in runs[0]] == [r.trace for r in runs[1]]
+  plain, _ = specjax.Engine(model, page_size=4).generate(prompts, max_new_tokens=12)
+  assert [r.tokens for r in runs[0]] == [r.tokens for r in plain]  # speculative output stays exact
+  with pytest.raises(SpecjaxError, match='trained for another target'):
+    make_drafter('mtp', specjax.load(os.path.join(os.path.dirname(TINY), 'tiny_llama3')), draft_model=out + '/export')
+
+
+def test_steps_zero_exports_the_initial_drafter(data, tmp_path):
+  from specjax.train import run_training
+  from specjax.train.config import resolve
+  from specjax.train.trainers import make_trainer
+
+  import specjax
+
+  cfg = resolve(config(data), ['train.steps=0'])
+  report = run_training(cfg, str(tmp_path / 'z'), progress=False)
+  model = specjax.load(TINY)
+  trainer = make_trainer(cfg, model, None)
+  initial = trainer.init(jax.random.fold_in(jax.random.key(0), 0))
+  assert same(jax.device_get(trainer.load(report['export'])), jax.device_get(initial))
+
+
+def test_ttt_unroll_matches_serving_positions(data):
+  """Training-time-test step i at row t = the head fed its own outputs at positions t + 1 .. t + i, as it drafts."""
+  from flax import nnx
+
+  import specjax
+  from specjax.models.contract import StepInputs
+  from specjax.train.config import resolve
+  from specjax.train.losses import target_features
+  from specjax.train.trainers import make_trainer
+
+  model = specjax.load(TINY)
+  trainer = make_trainer(resolve(config(data), ['train.ttt_steps=3']), model, None)
+  params = trainer.init(jax.random.key(3))
+  target, head = model.module(), nnx.merge(trainer.graphdef, params)
+  t_len = 12
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, 500, (1, t_len)), jnp.int32)
+  batch = {
+      'tokens': tokens,
+      'positions': jnp.arange(t_len)[None],
+      'segments': jnp.ones((1, t_len), jnp.int32),
+      'loss_mask': jnp.ones((1, t_len), bool),
+  }
+  hidden, _ = jax.jit(lambda b: target_features(target, b))(batch)
+  outs = jax.jit(lambda p, b, h: trainer.unroll(p, target, b, h))(params, batch, hidden)
+  emb = target.embed(tokens)
+  t = 5
+  # Serving: the true pairs (h_s, x_{s+1}) for s <= t, then the head's own output with the next token.
+  embeds, hs = list(emb[0, 1 : t + 2]), list(hidden[0, : t + 1])
+  serve = jax.jit(lambda e, h: head(e, h, None, StepInputs.chain(None, jnp.asarray([e.shape[1]]), e.shape[1])))
+  for i in range(3):
+    out, _ = serve(jnp.stack(embeds)[None], jnp.stack(hs)[None])
+    np.testing.assert_allclose(out[0, -1], outs[i][0, t], rtol=2e-4, atol=2e-5)
+    embeds.append(emb[0, t + i + 2])
+    hs.append(out[0, -1])
+
+
+def test_data_parallel_matches_one_device(data, tmp_path):
+  """4 forced host devices, batch split over them = 1 device (a subprocess: the device count is fixed at start)."""
+  from specjax.train import run_training
+
+  script = (
+      'import sys, json, numpy as np, jax; from specjax.train import run_training\n'
+      'assert len(jax.devices()) == 4\n'
+      'r = run_training(json.loads(sys.argv[1]), sys.argv[2], progress=False)\n'
+      'np.savez(sys.argv[3], *[np.asarray(x) for x in jax.tree.leaves(jax.device_get(r["params"]))])\n'
+  )
+  cfg = config(data, steps=3, save_every=0)
+  cfg['eval'] = {'every': 0}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4', 'JAX_PLATFORMS': 'cpu'}
+  env['PYTHONPATH'] = root + os.pathsep + env.get('PYTHONPATH', '')
+  npz = str(tmp_path / 'dp.npz')
+  proc = subprocess.run(
+      [sys.executable, '-c', script, json.dumps(cfg), str(tmp_path / 'dp'), npz],
+      env=env,
+      capture_output=True,
+      text=True,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  one = run_training(cfg, str(tmp_path / 'one'), progress=False)
+  four = np.load(npz)
+  leaves = jax.tree.leaves(jax.device_get(one['params']))
+  assert len(leaves) == len(four.files)
+  for i, x in enumerate(leaves):
+    np.testing.assert_allclose(four[f'arr_{i}'], x, rtol=1e-4, atol=1e-6)
+  dp = [r['loss'] for r in train_lines(str(tmp_path / 'dp'))]
+  np.testing.assert_allclose(dp, [r['loss'] for r in train_lines(str(tmp_path / 'one'))], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    'overrides, message',
+    [
+        (['train.stepz=3'], "unknown config key 'train.stepz'"),
+        (['data.path=EMPTY'], 'not enough training data'),
+        (['drafter.kind=eagle3', 'drafter.draft_vocab_size=100000'], 'draft_vocab_size=100000 must be in 1..512'),
+        (['drafter.kind=dflash', 'drafter.target_layer_ids=[1,6]'], r'target_layer_ids \[6\] out of range'),
+        (['data.path=MISSING'], 'does not exist'),
+    ],
+)
+def test_bad_config_is_one_error_line(data, tmp_path, capsys, overrides, message):
+  from specjax import cli
+
+  (tmp_path / 'empty.jsonl').write_text('')
+  overrides = [
+      o.replace('EMPTY', str(tmp_path / 'empty.jsonl')).replace('MISSING', str(tmp_path / 'no.jsonl'))
+      for o in overrides
+  ]
+  cfg = tmp_path / 'cfg.py'
+  cfg.write_text(f'import ml_collections\ndef get_config():\n  return ml_collections.ConfigDict({config(data)!r})\n')
+  rc = cli.main(['train', str(cfg), '--out', str(tmp_path / 'out'), '--quiet', *overrides])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and len(err) == 1 and err[0].startswith('error: '), err
+  assert __import__('re').search(message, err[0]), err[0]
