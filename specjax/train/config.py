@@ -69,7 +69,7 @@ def base_config() -> ml_collections.ConfigDict:
               'keep': 3,  # checkpoints kept
           },
           'eval': {
-              'prompts': None,  # jsonl (same record shapes); None: the last eval.limit records are held out
+              'prompts': None,  # jsonl (same record shapes); None: eval.limit training records are held out
               'every': 0,  # steps between agreement / tau estimates (0: off)
               'limit': 16,  # eval records
           },
