@@ -261,3 +261,52 @@ def test_soft_ce_value_and_gradient():
   np.testing.assert_allclose(jax.grad(chunked)(dh), jax.grad(plain)(dh), rtol=1e-4, atol=1e-6)
   _, agree, count = soft_ce(head, head, th, th, valid, chunk=4)
   assert agree == count == valid.sum()
+
+
+def test_mtp_export_is_qwen_layout(tmp_path):
+  """A Qwen3.5 checkpoint's own MTP head, exported, gives back exactly its `mtp.*` tensors (hybrid targets)."""
+  from safetensors.numpy import load_file
+
+  import specjax
+  from specjax.loading.mtp_head import load_mtp_head, save_mtp_head
+
+  path = os.path.join(os.path.dirname(TINY), 'tiny_qwen3_5')
+  model = specjax.load(path, mtp=True)
+  save_mtp_head(str(tmp_path), model, model.heads['mtp'][1])
+  original = {k: v for k, v in load_file(os.path.join(path, 'model.safetensors')).items() if k.startswith('mtp.')}
+  exported = load_file(str(tmp_path / 'model.safetensors'))
+  assert sorted(exported) == sorted(original)
+  for name, w in original.items():
+    np.testing.assert_array_equal(exported[name], w.astype(np.float32), err_msg=name)
+  assert same(jax.device_get(load_mtp_head(str(tmp_path), model)[1]), jax.device_get(model.heads['mtp'][1]))
+
+
+def test_regenerate_caches_the_targets_answers(tmp_path, monkeypatch):
+  import specjax
+  from specjax.train.regenerate import regenerate
+
+  model = specjax.load(TINY)
+  prompts = [model.tokenizer.encode(p) for p in ('the cat', 'birds sang in', 'a dog')]
+  kwargs = dict(max_new_tokens=4, batch_size=2, cache_dir=str(tmp_path), progress=False)
+  first = regenerate(model, prompts, **kwargs)
+  plain, _ = specjax.Engine(model).generate(prompts, max_new_tokens=4)
+  assert [e.ids for e in first] == [p + r.tokens for p, r in zip(prompts, plain)]
+  assert [sum(e.mask) for e in first] == [len(r.tokens) for r in plain]
+  (cached,) = os.listdir(tmp_path)
+  with open(tmp_path / cached, 'a') as f:
+    f.write('{"cut sho')  # a torn last line is dropped
+  monkeypatch.setattr(specjax, 'Engine', None)  # from the cache: no engine
+  again = regenerate(model, prompts, **kwargs)
+  assert [e.ids for e in again] == [e.ids for e in first]
+
+
+def test_hybrid_target_trains_one_sequence_per_row(data, tmp_path):
+  from specjax.train import run_training
+
+  cfg = config(data, steps=2, ttt_steps=2, save_every=0)
+  cfg['target'] = {'model': os.path.join(os.path.dirname(TINY), 'tiny_qwen3_5')}
+  cfg['eval'] = {'every': 0}
+  report = run_training(cfg, str(tmp_path / 'h'), progress=False)
+  assert np.isfinite(report['loss'])
+  manifest = json.load(open(tmp_path / 'h' / 'manifest.json'))
+  assert manifest['data']['rows'] == 48  # packing is off for recurrent targets: one record per row

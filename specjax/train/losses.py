@@ -37,10 +37,16 @@ def segment_mask(segments: jax.Array) -> jax.Array:  # [B, T] -> [B, T, T]
 
 
 def target_features(target, batch: dict, taps: tuple[int, ...] = ()) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-  """The frozen target over packed rows: final-normed hidden [B, T, D] and the residuals after `taps`."""
-  tokens = batch['tokens']
-  lens = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-  inputs = StepInputs(batch['positions'], lens, segment_mask(batch['segments']))
+  """The frozen target over packed rows: final-normed hidden [B, T, D] and the residuals after `taps`.
+
+  Hybrid targets (recurrent layers) take one sequence per row (`data.pack` is off for them) and no mask.
+  """
+  tokens, segments = batch['tokens'], batch['segments']
+  if target.cache_layout().state_shapes:  # recurrent layers: one sequence per row, left-aligned, causal
+    inputs = StepInputs(batch['positions'], jnp.sum(segments > 0, axis=1).astype(jnp.int32))
+  else:
+    lens = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    inputs = StepInputs(batch['positions'], lens, segment_mask(segments))
   hidden, _, tapped = target.forward(tokens, inputs, None, taps)
   return jax.lax.stop_gradient(hidden), tuple(jax.lax.stop_gradient(x) for x in tapped)
 
