@@ -259,8 +259,23 @@ def test_soft_ce_value_and_gradient():
   chunked = lambda dh: soft_ce(head, head, dh, th, valid, chunk=3)[0]
   np.testing.assert_allclose(chunked(dh), plain(dh), rtol=1e-5)
   np.testing.assert_allclose(jax.grad(chunked)(dh), jax.grad(plain)(dh), rtol=1e-4, atol=1e-6)
-  _, agree, count = soft_ce(head, head, th, th, valid, chunk=4)
-  assert agree == count == valid.sum()
+  _, agree, count, rows = soft_ce(head, head, th, th, valid, chunk=4)
+  assert agree == count == rows == valid.sum()
+  # A draft vocabulary: the target distribution restricted to it; rows whose target argmax is outside don't count.
+  ids = jnp.asarray([1, 4, 7, 9, 20, 33])
+  draft_head = lambda h: head(h)[..., ids] * 0.5
+
+  def restricted(dh):
+    full = head(th)
+    hit = valid & jnp.isin(jnp.argmax(full, -1), ids)
+    p = jax.nn.softmax(full[..., ids], axis=-1)
+    return jnp.sum(-jnp.sum(p * jax.nn.log_softmax(draft_head(dh), -1), -1) * hit), hit.sum()
+
+  ce, agree, count, rows = soft_ce(draft_head, head, dh, th, valid, chunk=5, draft_ids=ids)
+  np.testing.assert_allclose(ce, restricted(dh)[0], rtol=1e-5)
+  assert rows == restricted(dh)[1] and count == valid.sum()
+  grad = jax.grad(lambda x: soft_ce(draft_head, head, x, th, valid, chunk=5, draft_ids=ids)[0])(dh)
+  np.testing.assert_allclose(grad, jax.grad(lambda x: restricted(x)[0])(dh), rtol=1e-4, atol=1e-6)
 
 
 def test_mtp_export_is_qwen_layout(tmp_path):

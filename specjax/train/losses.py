@@ -85,22 +85,26 @@ def ttt_attention(attn, x: jax.Array, positions: jax.Array, mask: jax.Array, pre
 
 
 def soft_ce(
-    draft_logits,  # fn: [B, C, D] -> [B, C, V'] the drafter's logits
-    target_logits,  # fn: [B, C, D] -> [B, C, V'] the target's logits (on the drafter's vocabulary)
+    draft_logits,  # fn: [B, C, D] -> [B, C, V'] the drafter's logits (V' = V, or the draft vocabulary)
+    target_logits,  # fn: [B, C, D] -> [B, C, V] the target's logits
     draft_hidden: jax.Array,  # [B, T, D]
     target_hidden: jax.Array,  # [B, T, D] aligned: row t holds the target state whose next token row t predicts
     valid: jax.Array,  # [B, T] bool
     chunk: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Soft cross-entropy against the target distribution, top-1 agreement and the count of valid rows.
+    draft_ids: jax.Array | None = None,  # [V'] target id of each draft-vocabulary id (None: the same vocabulary)
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Soft cross-entropy against the target distribution: (summed CE, agreements, predictions, CE rows).
 
-  The vocabulary projection runs `chunk` positions at a time, so [B, T, V]
-  logits never exist at once. Each chunk computes its gradient with respect to
-  `draft_hidden` in the forward pass, (softmax(q) - p) pulled back through the
-  head, and enters the loss through a term linear in `draft_hidden` (value 0,
-  gradient that): three vocabulary-sized matmuls per position instead of five
-  (forward, rematerialised forward, backward), and no logits kept for the
-  backward pass.
+  With a draft vocabulary the target distribution is its softmax restricted to
+  `draft_ids`, and a row counts for the loss only where the target's argmax is
+  among them; agreement (the drafted target id = the target's argmax) counts
+  every valid row. The vocabulary projection runs `chunk` positions at a time,
+  so [B, T, V] logits never exist at once. Each chunk computes its gradient with
+  respect to `draft_hidden` in the forward pass, (softmax(q) - p) pulled back
+  through the head, and enters the loss through a term linear in
+  `draft_hidden` (value 0, gradient that): three vocabulary-sized matmuls per
+  position instead of five (forward, rematerialised forward, backward), and no
+  logits kept for the backward pass.
   """
   b, t, _ = draft_hidden.shape
   c = min(chunk, t)
@@ -112,21 +116,28 @@ def soft_ce(
 
   def body(carry, xs):
     dh, th, v = xs
-    v = v.astype(jnp.float32)
     fixed = jax.lax.stop_gradient(dh)
     q_logits, pullback = jax.vjp(lambda x: draft_logits(x).astype(jnp.float32), fixed)
     logq = jax.nn.log_softmax(q_logits, axis=-1)
-    p_logits = jax.lax.stop_gradient(target_logits(th).astype(jnp.float32))
+    full = jax.lax.stop_gradient(target_logits(th).astype(jnp.float32))
+    best = jnp.argmax(full, axis=-1)
+    drafted = jnp.argmax(q_logits, axis=-1)
+    if draft_ids is None:
+      p_logits, hit = full, v
+    else:
+      p_logits = jnp.take(full, draft_ids, axis=-1)
+      drafted = draft_ids[drafted]
+      hit = v & (draft_ids[jnp.argmax(p_logits, axis=-1)] == best)  # the target's argmax is in the draft vocabulary
     p = jax.nn.softmax(p_logits, axis=-1)
     ce = -jnp.sum(p * logq, axis=-1)
-    (grad,) = pullback((jnp.exp(logq) - p) * v[..., None])  # d sum(v * ce) / d dh (p sums to 1)
+    w = hit.astype(jnp.float32)
+    (grad,) = pullback((jnp.exp(logq) - p) * w[..., None])  # d sum(w * ce) / d dh (p sums to 1)
     grad = jax.lax.stop_gradient(grad)
     linear = jnp.sum(grad * dh) - jnp.sum(grad * fixed)  # 0, with gradient `grad`
-    agree = jnp.argmax(q_logits, axis=-1) == jnp.argmax(p_logits, axis=-1)
-    return (carry[0] + jnp.sum(ce * v) + linear, carry[1] + jnp.sum(agree * v), carry[2] + jnp.sum(v)), None
+    v = v.astype(jnp.float32)
+    sums = (jnp.sum(ce * w) + linear, jnp.sum((drafted == best) * v), jnp.sum(v), jnp.sum(w))
+    return tuple(a + x for a, x in zip(carry, sums)), None
 
   zero = jnp.zeros((), jnp.float32)
-  (ce, agree, count), _ = jax.lax.scan(
-      body, (zero, zero, zero), (split(draft_hidden), split(target_hidden), split(valid))
-  )
-  return ce, agree, count
+  out, _ = jax.lax.scan(body, (zero,) * 4, (split(draft_hidden), split(target_hidden), split(valid)))
+  return out
