@@ -47,7 +47,13 @@ def _mtp(config, target, data):
 
 
 def _eagle3(config, target, data):
-  raise SpecjaxError('drafter.kind eagle3: training lands with the EAGLE-3 head module (specjax/models/eagle3.py)')
+  try:
+    import specjax.models.eagle3  # noqa: F401
+  except ImportError:
+    raise SpecjaxError('drafter.kind eagle3 needs the EAGLE-3 head module (specjax/models/eagle3.py)') from None
+  from specjax.train.eagle3 import make
+
+  return make(config, target, data)
 
 
 def _dflash(config, target, data):

@@ -1,0 +1,151 @@
+"""EAGLE-3 training (SafeAILab/EAGLE, SpecForge): the head over fused target taps, unrolled `ttt_steps` times.
+
+Step 0 at row t: `fc` of the taps (residuals after `drafter.target_layer_ids`,
+default layers 1, L/2 - 1, L - 4) with the raw embedding of x_{t+1}, at
+position t; step i feeds step i - 1's output (the layer's residual, before the
+final norm) with x_{t+i+1} at position t + i and attends to step 0's keys
+causally OR the later steps' keys at its own row (`losses.ttt_attention`).
+Loss: soft cross-entropy against the target distribution restricted to the
+draft vocabulary (rows whose target argmax is outside it skipped), step i
+weighted `train.ttt_decay`^i. The draft vocabulary is the `draft_vocab_size`
+most frequent target tokens among the loss-masked training tokens, sorted by
+id: `d2t` (target id = draft id + d2t[draft id]) and `t2d` (a mask over the
+target vocabulary). Export: `save_eagle3` (SpecForge / vLLM layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.train.losses import segment_mask, shift, soft_ce, target_features, ttt_attention
+from specjax.train.trainers import DrafterTrainer
+
+
+def draft_vocabulary(data, vocab_size: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+  """(d2t [size], t2d [V]): the `size` most frequent loss-masked target tokens (ties: lower id), sorted by id."""
+  counts = np.zeros(vocab_size, np.int64)
+  if data is not None and len(data):
+    learned = data.loss_mask & (data.segments > 0)
+    counts += np.bincount(data.tokens[learned].reshape(-1), minlength=vocab_size)[:vocab_size]
+  order = np.lexsort((np.arange(vocab_size), -counts))  # by count, then by id
+  ids = np.sort(order[:size])
+  t2d = np.zeros(vocab_size, bool)
+  t2d[ids] = True
+  return (ids - np.arange(size)).astype(np.int64), t2d
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Eagle3Trainer(DrafterTrainer):
+  graphdef: Any = None
+  cfg: Any = None  # specjax.models.eagle3.Eagle3Config
+  target: Any = None  # the loaded Model
+  d2t: Any = None  # [draft V] int64
+  t2d: Any = None  # [V] bool
+  decay: float = 0.8
+  chunk: int = 256
+  kind: str = 'eagle3'
+
+  def init(self, key) -> nnx.State:
+    from specjax.models.eagle3 import Eagle3Head
+
+    return nnx.split(Eagle3Head(self.cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key)))[1]
+
+  def unroll(self, params, target, batch: dict, taps: tuple[jax.Array, ...]) -> list[jax.Array]:
+    """The head's output [B, T, D] (before its final norm) at each training-time-test step."""
+    head = nnx.merge(self.graphdef, params)
+    mask = segment_mask(batch['segments'])
+    h, prev, outs = head.fuse(jnp.concatenate(taps, axis=-1).astype(jnp.float32)), [], []
+    for i in range(self.positions):
+      positions = batch['positions'] + i
+      embeds = target.lookup(shift(batch['tokens'], i + 1)).astype(jnp.float32)
+      normed = head.hidden_norm(h)
+      residual = normed if self.cfg.norm_before_residual else h
+      x = jnp.concatenate([head.input_layernorm(embeds), normed], axis=-1)
+      out, kv = ttt_attention(head.self_attn, x, positions, mask, prev)
+      prev.append(kv)
+      x = residual + out
+      h = x + head.mlp(head.post_attention_layernorm(x))
+      outs.append(h)
+    return outs
+
+  def loss(self, params, target, batch: dict, key) -> tuple[jax.Array, dict]:
+    head = nnx.merge(self.graphdef, params)
+    hidden, taps = target_features(target, batch, self.taps)
+    segments, loss_mask = batch['segments'], batch['loss_mask']
+    draft_ids = jnp.arange(self.cfg.draft_vocab_size) + jnp.asarray(self.d2t, jnp.int32)
+    total, metrics = 0.0, {'ce': [], 'agree': [], 'count': []}
+    for i, h in enumerate(self.unroll(params, target, batch, taps)):
+      valid = (segments > 0) & (shift(segments, i + 2, -1) == segments) & shift(loss_mask, i + 2, False)
+      ce, agree, count, rows = soft_ce(
+          head.logits, target.logits, h, shift(hidden, i + 1), valid, self.chunk, draft_ids
+      )
+      total = total + self.decay**i * ce / jnp.maximum(rows, 1.0)
+      for name, value in (('ce', ce), ('agree', agree), ('count', count)):
+        metrics[name].append(value)
+    return total, {k: jnp.stack(v) for k, v in metrics.items()}
+
+  def export(self, params, path: str) -> None:
+    from specjax.loading.eagle3 import save_eagle3
+
+    save_eagle3(path, self.cfg, params, self.d2t, self.t2d)
+
+  def load(self, path: str) -> nnx.State:
+    from specjax.loading.eagle3 import load_eagle3
+
+    return load_eagle3(path, self.target, dtype='float32').params
+
+
+def head_config(config, target, taps: tuple[int, ...]):
+  """An `Eagle3Config` shaped like the target: its width, heads, MLP and full-attention RoPE."""
+  from specjax.models.eagle3 import Eagle3Config
+  from specjax.models.mtp import _attention_spec
+
+  c = target.config
+  if hasattr(c, 'decoder_spec'):
+    spec = c.decoder_spec()
+    attn, intermediate = _attention_spec(spec), spec.intermediate_size
+  else:  # hybrids: their gated attention's shape (the head's own attention is plain)
+    attn, intermediate = c.attention_spec(), c.intermediate_size
+  return Eagle3Config(
+      hidden_size=c.hidden_size,
+      intermediate_size=intermediate,
+      num_heads=attn.num_heads,
+      num_kv_heads=attn.num_kv_heads,
+      head_dim=attn.head_dim,
+      norm_eps=attn.eps,
+      rope=dataclasses.replace(attn.rope, rotary_dim=0),
+      vocab_size=c.vocab_size,
+      draft_vocab_size=config['drafter.draft_vocab_size'],
+      taps=taps,
+      max_position_embeddings=c.max_position_embeddings,  # a small value here silently lowers τ when served
+  )
+
+
+def make(config, target, data) -> Eagle3Trainer:
+  from specjax.errors import SpecjaxError
+  from specjax.loading.eagle3 import default_taps
+  from specjax.models.eagle3 import Eagle3Head
+
+  if config['drafter.layers'] != 1:
+    raise SpecjaxError(f"drafter.kind eagle3 has one decoder layer (drafter.layers=1), got {config['drafter.layers']}")
+  taps = tuple(config['drafter.target_layer_ids']) or default_taps(target.config.num_layers)
+  cfg = head_config(config, target, taps)
+  d2t, t2d = draft_vocabulary(data, target.config.vocab_size, cfg.draft_vocab_size)
+  graphdef = nnx.split(nnx.eval_shape(lambda: Eagle3Head(cfg, dtype=jnp.float32)))[0]
+  return Eagle3Trainer(
+      positions=config['train.ttt_steps'],
+      taps=taps,
+      graphdef=graphdef,
+      cfg=cfg,
+      target=target,
+      d2t=d2t,
+      t2d=t2d,
+      decay=config['train.ttt_decay'],
+      chunk=config['train.loss_chunk'],
+  )
