@@ -64,7 +64,8 @@ def verify(
   q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
   accept_keys = sampling_lib.row_keys(sampling.seed, seq_ids[:, None], pos[:, :k], STREAM_ACCEPT)
   u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key)))(accept_keys)  # [B, K]
-  n_accepted = leading_true((u * q_draft <= p_draft) & valid)
+  # Strict: u in [0, 1) can be 0, and a draft the target excludes (p = 0) must never pass.
+  n_accepted = leading_true((u * q_draft < p_draft) & valid)
 
   # The token at n_accepted: a residual draw after a rejected valid draft,
   # otherwise (bonus, or no draft there) a plain draw from p.
