@@ -223,7 +223,7 @@ def test_chain_shaped_tree_is_chain_verify(setting, with_q):
   b, k, v = 4000, 4, 8
   rng = np.random.default_rng(11)
   logits = 2.0 * rng.normal(size=(b, k + 1, v)).astype(np.float32)
-  # Draft logits near the target's; every 8th row drafts with the target itself (residual mass 0).
+  # Draft logits near the target's; every 8th row drafts with the target itself (always accepted).
   draft_logits = logits[:, :k] + rng.normal(size=(b, k, v)).astype(np.float32) * (np.arange(b) % 8 > 0)[:, None, None]
   q = np.exp(np.asarray(log_probs(draft_logits, SamplingParams(1.0) if sampling.is_greedy else sampling)))
   cdf = np.cumsum(q, axis=-1)
