@@ -3,7 +3,10 @@
 tau (mean acceptance length) = emitted tokens / target steps, counting the
 bonus / correction token (1.0 for plain decoding). Acceptance rate = accepted /
 drafted. Per draft position i: unconditional acceptance = P(draft i accepted)
-per step; conditional = P(draft i accepted | draft i - 1 accepted).
+per step; conditional = P(draft i accepted | draft i - 1 accepted). For draft
+trees "drafted" counts depths (the positions a path can reach) and
+`tree_nodes` the nodes verified per step; `accepted_path` is the mean accepted
+depth (accepted drafts per step, for chains too).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class SpecMetrics:
   accepted_per_step: list[int] = dataclasses.field(default_factory=list)
   drafted_per_step: list[int] = dataclasses.field(default_factory=list)
   pending_per_step: list[int] = dataclasses.field(default_factory=list)  # drafts known ahead, before each step
+  nodes: int = 0  # tokens the target verified besides the last one (drafts; tree nodes for trees)
   draft_s: float = 0.0
   verify_s: float = 0.0
   total_s: float = 0.0
@@ -34,8 +38,12 @@ class SpecMetrics:
       self.accepted_at = np.zeros(self.k, np.int64)
       self.drafted_at = np.zeros(self.k, np.int64)
 
-  def record(self, accepted: int, drafted: int, emitted: int, pending: int | None = None) -> None:
+  def record(
+      self, accepted: int, drafted: int, emitted: int, pending: int | None = None, nodes: int | None = None
+  ) -> None:
+    """One step: accepted drafts, drafted depth, emitted tokens, drafts known ahead, tree nodes (trees)."""
     self.target_steps += 1
+    self.nodes += drafted if nodes is None else nodes
     self.accepted += accepted
     self.drafted += drafted
     self.emitted += emitted
@@ -53,6 +61,7 @@ class SpecMetrics:
       out.drafted += m.drafted
       out.accepted += m.accepted
       out.emitted += m.emitted
+      out.nodes += m.nodes
       out.accepted_at[: m.k] += m.accepted_at
       out.drafted_at[: m.k] += m.drafted_at
       out.accepted_per_step += m.accepted_per_step
@@ -93,6 +102,8 @@ class SpecMetrics:
         'emitted': self.emitted,
         'tau': self.tau,
         'acceptance_rate': self.acceptance_rate,
+        'tree_nodes': self.nodes / self.target_steps if self.target_steps else 0.0,
+        'accepted_path': self.accepted / self.target_steps if self.target_steps else 0.0,
         'position_acceptance': self.position_acceptance,
         'conditional_acceptance': self.conditional_acceptance,
         'draft_s': self.draft_s,

@@ -43,6 +43,7 @@ MAX_SEED = 2**31 - 1
 STREAM_SAMPLE = 0  # plain sampling, drafts, bonus and match draws
 STREAM_ACCEPT = 2  # accept-test uniforms
 STREAM_RESIDUAL = 3  # residual draws after a rejection
+STREAM_TREE = 4  # children of draft-tree nodes (apart from every draw the verifier makes)
 
 
 @dataclasses.dataclass(frozen=True)

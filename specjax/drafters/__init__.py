@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from specjax.drafters import draft_model, layer_skip, mtp, ngram
+from specjax.drafters import draft_model, eagle3, layer_skip, mtp, ngram
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter, check_compatible
+from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.mtp import MTPDrafter, check_mtp_target
 from specjax.drafters.ngram import NgramDrafter
@@ -15,6 +16,7 @@ register(ngram.FAMILY)
 register(draft_model.FAMILY)
 register(layer_skip.FAMILY)
 register(mtp.FAMILY)
+register(eagle3.FAMILY)
 
 __all__ = [
     'BatchPlan',
@@ -22,6 +24,7 @@ __all__ = [
     'Drafter',
     'DrafterFamily',
     'DraftModelDrafter',
+    'Eagle3Drafter',
     'LayerSkipDrafter',
     'MTPDrafter',
     'NgramDrafter',

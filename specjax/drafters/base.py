@@ -6,7 +6,7 @@ jitted step); its weights and state are pytrees passed in explicitly:
   init_state(plan)                          -> state        (host, once per batch)
   prefill(target, params, state, tokens, query_lens, hidden, taps) -> state   (jitted, prompt chunks)
   propose(target, params, state, cache, ctx, k, sampling)
-      -> Proposal(drafts [B, K], draft_lens [B], q [B, K, V] | None, state, cache)
+      -> Proposal(drafts [B, K], draft_lens [B], q [B, K, V] | None, state, cache, parents)
   commit(params, state, ctx, n_emitted, taps, hidden) -> state
   start(params, state, ctx) -> state        (jitted, once after the first token)
 
@@ -20,6 +20,11 @@ verify blocks padded to K + 1), for drafters with `reads_hidden` (MTP heads).
 Prefill hands them the same for each prompt chunk: `hidden` and the `taps`
 residuals of the chunk (each `[B, T, D]`), so drafters conditioned on target
 features see the whole prompt's.
+
+Tree drafters (`tree_tokens` > 0) return `tree_tokens` nodes in BFS order
+with `parents`; K is then the tree's depth, the verify pass checks every node
+(`specjax.trees`) and `commit` gets the taps / hidden states of the accepted
+path, `[B, K + 1, D]`, as a chain drafter gets its accepted prefix.
 
 Drafters whose drafts depend only on the committed tokens (n-gram) may look
 them up ahead (`drafts_ahead`): `start` and `commit` compute the next step's
@@ -56,6 +61,7 @@ class Proposal:
   q: jax.Array | None  # [B, K, V] the distributions drafts were drawn from, or None
   state: Any
   cache: KVCache  # the target cache, possibly with draft positions written
+  parents: jax.Array | None = None  # [B, K] a tree: block index of each draft's parent (0 = the root); None = a chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +85,15 @@ class Drafter:
   drafts_ahead: bool = False  # next drafts computed at commit; the host sizes the verify pass to them
   reads_hidden: bool = False  # prefill / commit get the target's final hidden states
   max_depth: int = 16
+  tree_tokens: int = 0  # drafts per tree step (0: chains of K drafts)
+
+  def verify_width(self, k: int) -> int:
+    """Positions one verify pass writes at depth K (the last token and the drafts)."""
+    return (self.tree_tokens or k) + 1
+
+  def lookahead(self, k: int) -> int:
+    """Cache slots past a row's length a step at depth K may write (target or drafter pages)."""
+    return self.verify_width(k)
 
   def params(self) -> Any:
     """The drafter's weights pytree (passed to every call)."""

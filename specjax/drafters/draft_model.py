@@ -19,7 +19,7 @@ from flax import nnx
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
-from specjax.drafters.registry import DrafterFamily, option
+from specjax.drafters.registry import DrafterFamily, checkpoint_option
 from specjax.errors import SpecjaxError
 from specjax.models.base import Model
 from specjax.sampling import STREAM_SAMPLE
@@ -124,13 +124,7 @@ class DraftModelDrafter(Drafter):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftModelOptions:
-  draft_model: Any = option(
-      None,
-      '--draft-model',
-      '--mtp-model',
-      type=str,
-      help='draft model (same forms as -m: a loaded Model in Python); --mtp-model is the mistral.rs spelling',
-  )
+  draft_model: Any = checkpoint_option()
 
   def validate(self) -> None:
     if self.draft_model is None:

@@ -21,6 +21,19 @@ def option(default: Any, *flags: str, help: str, type: type | None = None, **ext
   return dataclasses.field(default=default, metadata={'flags': flags, 'help': help, 'type': type, **extra})
 
 
+def checkpoint_option() -> Any:
+  """`--draft-model PATH`: the drafter checkpoint of the families that load one (one flag, one meaning)."""
+  return option(
+      None,
+      '--draft-model',
+      '--mtp-model',
+      type=str,
+      help='the drafter checkpoint: a draft model (draft-model; same forms as -m), an EAGLE-3 head (eagle3) or a '
+      'trained MTP head (mtp; the export/ of specjax train), '
+      'as a path or hub id (a loaded object in Python); --mtp-model is the mistral.rs spelling',
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterFamily:
   name: str

@@ -108,6 +108,11 @@ class Engine:
   ):
     if page_size < 1 or page_size & (page_size - 1):
       raise SpecjaxError(f'page_size must be a power of two, got {page_size}')
+    if drafter is not None and drafter.tree_tokens and model.is_hybrid:
+      raise SpecjaxError(
+          f'{model.source}: draft trees need a target whose cache rolls back by position; this hybrid '
+          '(recurrent-state) target verifies chains only (drop the tree options)'
+      )
     self.model = model
     self.page_size = page_size
     self.max_seq_len = max_seq_len or model.config.max_position_embeddings
@@ -131,7 +136,7 @@ class Engine:
   @property
   def lookahead(self) -> int:
     """Positions past the token budget a verify step may write."""
-    return self.max_draft + 1 if self.drafter else 0
+    return self.drafter.lookahead(self.max_draft) if self.drafter else 0
 
   def plan(self, prompts: list[list[int]], max_new_tokens: int) -> BatchLayout:
     """Checks capacity and pages before any work; the batch's shapes and block tables."""
@@ -332,6 +337,7 @@ class Engine:
     t0 = time.perf_counter()
     state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids, drafting=bool(policy))
     ahead = bool(policy) and self.drafter.drafts_ahead
+    tree = bool(policy) and bool(self.drafter.tree_tokens)
     exec_depths = sorted({w - 1 for d in depths for w in verify_widths(d)}) if ahead else depths
     steps = {
         d: self.step_fn(d if policy else None, sampling, state, eos_ids) for d in exec_depths
@@ -373,7 +379,13 @@ class Engine:
                     'emitted': tokens[i, : emitted[i]].tolist(),
                 }
             )
-          spec[i].record(int(accepted[i]), int(drafted[i]), int(emitted[i]), int(before[i]) if ahead else None)
+          spec[i].record(
+              int(accepted[i]),
+              min(int(drafted[i]), k_step) if tree else int(drafted[i]),
+              int(emitted[i]),
+              int(before[i]) if ahead else None,
+              int(drafted[i]) if tree else None,
+          )
           spec[i].draft_s += self.phase_s[0] if self.profile else 0.0
           spec[i].verify_s += self.phase_s[1] if self.profile else 0.0
         pstate = policy.observe(

@@ -1,6 +1,7 @@
 """The contract every model family implements, and the inputs of one forward pass.
 
   embed(tokens [B, T])                              -> [B, T, D]
+  lookup(tokens [B, T])                             -> [B, T, D] raw table rows (no embedding scale)
   forward(tokens, inputs, cache | None, taps=())    -> (hidden [B, T, D], cache, taps)
   logits(hidden [..., D])                           -> [..., V]
   cache_layout()                                    -> CacheLayout
@@ -89,6 +90,10 @@ class CausalLM(Protocol):
   """What the engine, drafters and training need of a target model."""
 
   def embed(self, tokens: jax.Array) -> jax.Array:
+    ...
+
+  def lookup(self, tokens: jax.Array) -> jax.Array:
+    """Raw embedding-table rows, without a family's scale (Gemma's sqrt(D)): EAGLE-3 heads read these."""
     ...
 
   def forward(

@@ -184,13 +184,24 @@ class Attention(nnx.Module):
 
   Options (`AttentionSpec`): q/k norms, RoPE variants, sliding window, logit
   softcap, sigmoid output gate. q, k, v (and gate) come from one fused
-  `[D, (N + 2K (+ N)) * H]` matrix: one pass over the weights.
+  `[D_in, (N + 2K (+ N)) * H]` matrix: one pass over the weights. The input
+  width `in_dim` defaults to the output width `dim` (EAGLE-3's layer reads
+  2D: embedding and hidden state side by side).
   """
 
-  def __init__(self, dim: int, spec: AttentionSpec, *, impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(
+      self,
+      dim: int,
+      spec: AttentionSpec,
+      *,
+      in_dim: int | None = None,
+      impl: str = 'auto',
+      dtype=jnp.float32,
+      rngs: nnx.Rngs,
+  ):
     n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
     q_cols = 2 * n if spec.output_gate else n
-    self.qkv_proj = param(rngs, (dim, (q_cols + 2 * k) * h), dtype)  # query | key | value (| gate)
+    self.qkv_proj = param(rngs, (in_dim or dim, (q_cols + 2 * k) * h), dtype)  # query | key | value (| gate)
     self.o_proj = param(rngs, (n * h, dim), dtype)
     if spec.qk_norm:
       self.q_norm = RMSNorm(h, eps=spec.eps, offset=spec.norm_offset, dtype=dtype)
@@ -198,7 +209,7 @@ class Attention(nnx.Module):
     self.spec = spec
     self.impl = impl
 
-  def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+  def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:  # x [B, T, D_in]
     """Queries [B, T, N, H], keys and values [B, T, K, H] (normed, rotated) and the output gate (or None)."""
     s = self.spec
     b, t, _ = x.shape

@@ -283,8 +283,12 @@ class Qwen35(ChainAppend, nnx.Module):
         ((c.num_kv_heads, c.head_dim),) * c.layer_types.count(FULL), ((ssm, conv),) * c.layer_types.count(LINEAR)
     )
 
-  def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
+  def lookup(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
+    """Raw rows of the embedding table; the same as `embed` here (no embedding scale)."""
     return jnp.take(self.embed_tokens[...], tokens, axis=0)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
+    return self.lookup(tokens)
 
   def forward(
       self,

@@ -73,11 +73,14 @@ class DecoderLM(ChainAppend, nnx.Module):
   def cache_layout(self) -> CacheLayout:
     return CacheLayout(tuple((a.num_kv_heads, a.head_dim) for a in self.spec.layers))
 
+  def lookup(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
+    """Raw rows of the embedding table (no Gemma sqrt(D) scale): what EAGLE-style drafters read."""
+    return jnp.moveaxis(jnp.take(self.embed_tokens[...], tokens, axis=1), 0, -1)
+
   def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
-    table = self.embed_tokens[...]
-    x = jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1)
+    x = self.lookup(tokens)
     if self.spec.embed_scale:
-      x = x * jnp.asarray(self.spec.hidden_size**0.5, table.dtype)
+      x = x * jnp.asarray(self.spec.hidden_size**0.5, x.dtype)
     return x
 
   def forward(

@@ -1,0 +1,244 @@
+"""Drafters built on a small head fed (target feature at t, token t + 1): MTP heads and EAGLE-3.
+
+The head's attention layer has its own paged KV cache (the target's block
+tables, its own page pool) holding the pair at position t for every committed
+t. A family says what its feature is (the target's final hidden state for MTP,
+`fc` of the tapped residuals for EAGLE-3), how the head runs and what its
+logits are (over the target vocab, or a draft vocab mapped to target ids).
+
+State between steps: the head's cache (pairs up to its length m) and the
+features not yet paired (`pending`, positions m .. m + n - 1; their next tokens
+are in the token buffer). `propose` feeds the pending pairs as one ragged
+block; its last output drafts x_{L+1}. Deeper drafts feed the head's own output
+as the next feature with the token just drafted:
+- a chain of K drafts, sampled with the step's sampling settings (q = the
+  head's distribution under the same transform as the target's);
+- or a tree (`tree_search`), level by level: the frontier nodes are fed in
+  one block under the tree mask and each gets its children.
+  - EAGLE-2 dynamic trees (`tree_topk`, `tree_tokens`): the frontier is the
+    `tree_topk` best nodes of a level (cumulative log-probability), each gets
+    its `tree_topk` most probable children, and the best `tree_tokens` nodes
+    of all levels are kept with their ancestry. The children are
+    deterministic, so sampled steps verify by sample-and-match (q = None).
+  - Static trees (`tree_parents`): when sampling, children are drawn without
+    replacement from q and every node of the shape is kept, so the verifier
+    runs recursive rejection sampling with each node's q. (Keeping sampled
+    children by their scores, as EAGLE-2 re-ranks, would bias the output:
+    `tests/test_tree_verify.py` shows it.)
+Draft positions in the head's cache are scratch: `commit` keeps the verify
+pass's features of the emitted positions (the accepted path, for trees) as the
+new pending pairs, and the next `propose` writes their true pairs there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax import trees
+from specjax.cache.paged import KVCache
+from specjax.drafters import tree_search
+from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.models.contract import StepInputs
+from specjax.sampling import STREAM_SAMPLE, STREAM_TREE
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HeadState:
+  cache: KVCache  # the head's cache; lengths = pairs committed (m)
+  pending: jax.Array  # [B, S, D] features of positions m .. m + n - 1
+  num_pending: jax.Array  # [B] n
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeadDrafter(Drafter):
+  """A drafter around a one-layer head; families implement the four hooks below."""
+
+  feature_size: int = 1
+  tree_tokens: int = 0  # nodes per tree step (0: chains)
+  tree_topk: int = 0  # children per expanded node of a dynamic tree
+  tree_parents: tuple[int, ...] = ()  # a static tree: the parent of node i + 1 (0: the root)
+  provides_q: bool = True
+
+  # -- family hooks
+
+  def features(self, params, hidden, taps) -> jax.Array:
+    """[B, T, D] features of target positions from the final hidden state / the tapped residuals."""
+    raise NotImplementedError
+
+  def run(self, params, target, tokens, features, cache: KVCache, inputs: StepInputs) -> tuple[jax.Array, KVCache]:
+    """The head over pairs (tokens [B, T] at t + 1, features [B, T, D] at t); its outputs [B, T, D]."""
+    raise NotImplementedError
+
+  def draft_logits(self, params, target, out) -> jax.Array:
+    """[..., D] -> [..., Vd] logits over the draft vocab."""
+    raise NotImplementedError
+
+  def head_layout(self, params):
+    raise NotImplementedError
+
+  def to_target(self, ids: jax.Array) -> jax.Array:
+    """Draft-vocab ids -> target ids (the identity when the head predicts the target vocab)."""
+    return ids
+
+  def place(self, probs: jax.Array) -> jax.Array:
+    """[..., Vd] draft-vocab probabilities -> [..., V] at target ids (zero elsewhere)."""
+    return probs
+
+  # -- the drafter interface
+
+  def lookahead(self, k: int) -> int:
+    if not self.tree_tokens:
+      fed = k
+    else:  # the frontier nodes fed at the last depth
+      fed = len(self.tree_parents) if self.tree_parents else self.tree_topk * max(k - 1, 0)
+    return max(self.verify_width(k), fed)
+
+  def init_state(self, plan: BatchPlan) -> HeadState:
+    dtype = jax.tree.leaves(self.params())[0].dtype
+    cache = KVCache.create(
+        list(self.head_layout(self.params()).kv_shapes),
+        num_pages=plan.num_pages,
+        page_size=plan.page_size,
+        block_tables=plan.block_tables,
+        dtype=dtype,
+    )
+    pending = jnp.zeros((plan.batch, plan.max_draft + 1, self.feature_size), dtype)
+    return HeadState(cache, pending, jnp.zeros((plan.batch,), jnp.int32))
+
+  def _chain(self, params, target, tokens, features, cache, query_lens):
+    return self.run(params, target, tokens, features, cache, StepInputs.chain(cache, query_lens, tokens.shape[1]))
+
+  def prefill(self, target, params, state: HeadState, tokens, query_lens, hidden, taps=()) -> HeadState:
+    # tokens [B, T]. Pair j of this chunk: (combined[j + 1 - n], tokens[j + 1 - n]), combined = [carried
+    # feature, chunk features]; q - 1 + n pairs; the chunk's last feature is carried.
+    feats = self.features(params, hidden, taps).astype(state.pending.dtype)  # [B, T, D]
+    t = tokens.shape[1]
+    carried = state.num_pending
+    combined = jnp.concatenate([state.pending[:, :1], feats], axis=1)
+    idx = jnp.arange(t)[None, :] + 1 - carried[:, None]  # [B, T]
+    pair_feats = jnp.take_along_axis(combined, idx[..., None], axis=1)
+    pair_tokens = jnp.take_along_axis(tokens, jnp.minimum(idx, t - 1), axis=1)
+    count = jnp.where(query_lens > 0, query_lens - 1 + carried, 0).astype(jnp.int32)
+    _, cache = self._chain(params, target, pair_tokens, pair_feats, state.cache, count)
+    last = jnp.take_along_axis(feats, jnp.maximum(query_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+    has_new = query_lens > 0
+    pending = state.pending.at[:, 0].set(jnp.where(has_new[:, None], last, state.pending[:, 0]))
+    return HeadState(cache, pending, jnp.where(has_new, 1, carried).astype(jnp.int32))
+
+  def _feed_pending(self, params, target, state: HeadState, ctx: DraftContext):
+    """Appends the pending pairs; returns (the head's output at the last one [B, D], cache)."""
+    s = state.pending.shape[1]
+    m = state.cache.lengths
+    count = jnp.where(ctx.active, state.num_pending, 0).astype(jnp.int32)
+    idx = jnp.clip(m[:, None] + 1 + jnp.arange(s)[None, :], 0, ctx.tokens.shape[1] - 1)
+    next_tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)  # [B, S] x_{t+1} of each pending pair
+    out, cache = self._chain(params, target, next_tokens, state.pending, state.cache, count)
+    h = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    return h, cache
+
+  def propose(self, target, params, state: HeadState, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
+    h, head_cache = self._feed_pending(params, target, state, ctx)
+    committed = head_cache.lengths
+    if self.tree_tokens:
+      drafts, parents, draft_lens, q = self._tree(params, target, h, head_cache, ctx, k, sampling)
+    else:
+      drafts, q = self._chain_drafts(params, target, h, head_cache, ctx, k, sampling)
+      parents, draft_lens = None, jnp.full_like(ctx.lengths, k)
+    head_cache = dataclasses.replace(head_cache, lengths=committed)  # draft pairs are not committed
+    pending = jnp.where(ctx.active, 0, state.num_pending).astype(jnp.int32)
+    state = HeadState(head_cache, state.pending, pending)
+    return Proposal(drafts, jnp.where(ctx.active, draft_lens, 0), q, state, cache, parents)
+
+  def _chain_drafts(self, params, target, h, head_cache, ctx, k, sampling):
+    step_lens = ctx.active.astype(jnp.int32)
+    need_q = not sampling.is_greedy
+    drafts, qs = [], []
+    for i in range(k):
+      logits = self.draft_logits(params, target, h).astype(jnp.float32)  # [B, Vd]
+      keys = sampling_lib.row_keys(sampling.seed, ctx.seq_ids, ctx.lengths + 1 + i, STREAM_SAMPLE)
+      x = self.to_target(sampling_lib.sample(logits, sampling, keys))
+      drafts.append(x)
+      if need_q:
+        qs.append(self.place(sampling_lib.probs(logits, sampling)))
+      if i < k - 1:
+        out, head_cache = self._chain(params, target, x[:, None], h[:, None], head_cache, step_lens)
+        h = out[:, 0]
+    return jnp.stack(drafts, axis=1), (jnp.stack(qs, axis=1) if need_q else None)
+
+  def _log_q(self, params, target, out, sampling):
+    """[..., D] -> (log-probabilities [..., Vd] that score and draw children, probabilities | None)."""
+    logits = self.draft_logits(params, target, out).astype(jnp.float32)
+    if sampling.is_greedy:  # scores of the raw distribution; children are its top ones
+      return jax.nn.log_softmax(logits, axis=-1), None
+    probs = sampling_lib.probs(logits, sampling)
+    return jnp.log(probs), probs
+
+  def _tree(self, params, target, h_root, head_cache, ctx, k, sampling):
+    """A draft tree of depth k: (drafts [B, N], parents [B, N], valid nodes [B], q [B, N, V] | None).
+
+    Dynamic (EAGLE-2) by default; the fixed shape of `tree_parents` when given.
+    """
+    b = h_root.shape[0]
+    static = tree_search.StaticShape.build(np.asarray(self.tree_parents), k) if self.tree_parents else None
+    width = static.children if static else self.tree_topk  # children drawn per expanded node
+    # Sampled children verified with q need a kept set that never looks at their values: static shapes
+    # do; EAGLE-2's re-ranking does not, so dynamic trees take the top children and verify by matching.
+    sampled = static is not None and not sampling.is_greedy
+
+    def children(out, depth):  # out [B, F, D] -> the children of F nodes, at `depth`
+      log_q, probs = self._log_q(params, target, out, sampling)  # [B, F, Vd]
+      keys = sampling_lib.row_keys(sampling.seed, ctx.seq_ids, ctx.lengths + depth, STREAM_TREE)  # [B]
+      keys = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(out.shape[1])))(keys)
+      ids, _, log_q_child, valid = trees.draw_children(log_q, width, keys, not sampled)  # [B, F, width]
+      return ids, jnp.where(valid, log_q_child, -jnp.inf), probs
+
+    ids, score, probs = children(h_root[:, None], 1)
+    levels = [tree_search.Level(ids[:, 0], score[:, 0], jnp.zeros((b, width), jnp.int32))]
+    dists = [probs]  # per level: the distributions its nodes were drawn from, one row per expanded node
+    fed = tree_search.Fed()  # the frontier nodes of every level so far, fed again as one block
+    out = h_root[:, None]
+    for depth in range(1, 1 + (len(static.frontiers) if static else k - 1)):  # expand level `depth`'s frontier
+      level = levels[-1]
+      if static:
+        top = jnp.broadcast_to(jnp.asarray(static.frontiers[depth - 1]), (b, len(static.frontiers[depth - 1])))
+      else:
+        top = jnp.argsort(-level.score, axis=1, stable=True)[:, :width]  # [B, F] indices into the level
+      fed.add(level, top, out, width)
+      out = self._feed_tree(params, target, fed, head_cache, ctx)  # [B, F, D]
+      ids, child_score, probs = children(out, depth + 1)
+      score = jnp.take_along_axis(level.score, top, axis=1)[..., None] + child_score  # [B, F, width]
+      parent = jnp.broadcast_to(top[..., None], score.shape)
+      levels.append(tree_search.Level(ids.reshape(b, -1), score.reshape(b, -1), parent.reshape(b, -1)))
+      dists.append(probs)
+    if static:
+      tree = tree_search.select(levels, len(static.chosen), static.chosen)
+    else:
+      tree = tree_search.select(levels, min(self.tree_tokens, tree_search.num_candidates(k, width)))
+    q = self.place(tree_search.node_distributions(tree, levels, dists, width)) if sampled else None
+    return self.to_target(tree.ids), tree.parents, tree.num_nodes, q
+
+  def _feed_tree(self, params, target, fed, head_cache, ctx):
+    """Runs every fed node (tree mask, scratch slots past the cache); the newest level's outputs [B, topk, D]."""
+    tokens = self.to_target(jnp.concatenate(fed.ids, axis=1))  # [B, T]
+    feats = jnp.concatenate(fed.feats, axis=1)  # [B, T, D]: each node's parent output
+    inputs = StepInputs.tree(head_cache, fed.depths(), fed.mask(), jnp.where(ctx.active, tokens.shape[1], 0))
+    out, _ = self.run(params, target, tokens, feats, head_cache, inputs)
+    return out[:, -fed.ids[-1].shape[1] :]
+
+  def commit(self, params, state: HeadState, ctx: DraftContext, n_emitted, taps, hidden=None) -> HeadState:
+    # The verify block's (a tree's accepted path's) features [B, K + 1, D]; the first n_emitted are committed.
+    feats = self.features(params, hidden, taps).astype(state.pending.dtype)
+    pad = state.pending.shape[1] - feats.shape[1]
+    pending = jnp.pad(feats, ((0, 0), (0, pad), (0, 0)))
+    return HeadState(state.cache, pending, jnp.where(n_emitted > 0, n_emitted, state.num_pending).astype(jnp.int32))
+
+
+def params_dtype(params: Any):
+  return jax.tree.leaves(params)[0].dtype

@@ -1,0 +1,158 @@
+"""The EAGLE-3 drafter: EAGLE's own chain and tree drafts, greedy equality, sampled static trees, bad input."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import specjax
+from specjax.drafters import make_drafter
+from specjax.errors import SpecjaxError
+from specjax.step import propose_phase
+from conftest import FIXTURES
+
+TARGET = f'{FIXTURES}/tiny_llama3'
+HEAD = f'{FIXTURES}/tiny_eagle3'
+PROMPTS = ['def add(a, b):\n    return a + b\n\ndef sub(a, b):\n', 'The capital of France is', 'Hi']
+
+
+@pytest.fixture(scope='module')
+def target():
+  return specjax.load(TARGET)
+
+
+@pytest.fixture(scope='module')
+def ref():
+  return np.load(f'{FIXTURES}/tiny_eagle3_reference.npz')
+
+
+@pytest.fixture(scope='module')
+def reference(target):
+  results, _ = specjax.Engine(target, page_size=4).generate(PROMPTS, max_new_tokens=24)
+  return [r.tokens for r in results]
+
+
+def first_proposal(target, drafter, ref, k):
+  """Prefills each fixture prompt (its first N - 1 ids), samples the next token, and drafts once."""
+  engine = specjax.Engine(target, page_size=4, drafter=drafter, max_draft=k)
+  lens = ref['input_lens']
+  prompts = [[int(t) for t in ref['input_ids'][i, : lens[i] - 1]] for i in range(len(lens))]
+  eos = jnp.asarray([-1], jnp.int32)
+  state = engine.prefill(prompts, 8, specjax.SamplingParams(), eos)
+  np.testing.assert_array_equal(np.asarray(state.last_tokens)[: len(lens)], ref['input_ids'][np.arange(2), lens - 1])
+  step = jax.jit(propose_phase, static_argnums=0, static_argnames=('drafter', 'k', 'sampling'))
+  _, prop = step(
+      target.graphdef, target.params, drafter.params(), state, drafter=drafter, k=k, sampling=specjax.SamplingParams()
+  )
+  return jax.device_get(prop)
+
+
+def test_chain_drafts_equal_eagle(target, ref):
+  prop = first_proposal(target, make_drafter('eagle3', target, draft_model=HEAD), ref, 5)
+  np.testing.assert_array_equal(prop.drafts[:2], ref['chain_target_ids'])
+
+
+def test_tree_drafts_equal_eagle_topk_genrate(target, ref):
+  """EAGLE's `topK_genrate(top_k 4, depth 4, total_tokens 16)` is our tree of depth 5, 4 x 15."""
+  top_k, depth, total = (int(x) for x in ref['tree_settings'])
+  drafter = make_drafter('eagle3', target, draft_model=HEAD, tree_topk=top_k, tree_tokens=total - 1)
+  prop = first_proposal(target, drafter, ref, depth + 1)
+  np.testing.assert_array_equal(prop.drafts[:2], ref['tree_draft_tokens'][:, 1:])
+  np.testing.assert_array_equal(prop.draft_lens[:2], [total - 1] * 2)
+  parents = np.concatenate([np.zeros((2, 1), np.int32), prop.parents[:2]], axis=1)
+  from specjax import trees
+
+  np.testing.assert_array_equal(np.asarray(trees.ancestor_mask(jnp.asarray(parents))), ref['tree_mask'])
+
+
+@pytest.mark.parametrize(
+    'options',
+    [{}, {'tree_topk': 2, 'tree_tokens': 6}, {'tree_topk': 4, 'tree_tokens': 16}, {'tree_parents': '0,0,1,1,2,3'}],
+    ids=['chain', 'tree-2x6', 'tree-4x16', 'static'],
+)
+def test_greedy_equals_autoregressive_every_depth(target, reference, options):
+  drafter = make_drafter('eagle3', target, draft_model=HEAD, **options)
+  engine = specjax.Engine(target, page_size=4, drafter=drafter, max_draft=6)
+  for k in range(1, 7):
+    results, _ = engine.generate(PROMPTS, max_new_tokens=24, num_draft=k)
+    assert [r.tokens for r in results] == reference, k
+
+
+def test_sampled_static_tree_keeps_the_target_law(target):
+  """Static-tree children drawn from q, verified with q: the second token's law is the target's.
+
+  One prompt, 3000 request ids; the exact law of token 2 is sum over token 1 of p(x1) p(x2 | x1),
+  compared in 12 bins (token id mod 12) by chi^2.
+  """
+  sampling = specjax.SamplingParams(temperature=1.5, seed=5)
+  drafter = make_drafter('eagle3', target, draft_model=HEAD, tree_parents='0,0,0,1,1,2')
+  engine = specjax.Engine(target, page_size=8, drafter=drafter, max_draft=2)
+  n = 3000
+  prompt = engine.encode(['The capital of France is'])[0]
+  results, _ = engine.generate([prompt] * n, max_new_tokens=2, sampling=sampling, num_draft=2)
+  second = np.array([r.tokens[1] for r in results])
+  assert sum(r.spec.accepted for r in results) > 10  # some drafts were accepted with q
+
+  model = target.module()
+  v = target.config.vocab_size
+  from specjax.models.contract import StepInputs
+
+  ids = jnp.asarray([prompt] * 1)
+  hidden, _, _ = model.forward(ids, StepInputs.chain(None, jnp.asarray([len(prompt)]), len(prompt)), None)
+  p1 = np.asarray(specjax.sampling.probs(model.logits(hidden[:, -1]), sampling))[0]  # [V]
+  both = jnp.concatenate([jnp.tile(ids, (v, 1)), jnp.arange(v)[:, None]], axis=1)
+  hidden, _, _ = model.forward(both, StepInputs.chain(None, jnp.full((v,), both.shape[1]), both.shape[1]), None)
+  p2 = np.asarray(specjax.sampling.probs(model.logits(hidden[:, -1]), sampling))  # [V, V]
+  law = p1.astype(np.float64) @ p2.astype(np.float64)
+  law /= law.sum()
+  bins = np.arange(v) % 12
+  expected = np.bincount(bins, weights=law, minlength=12) * n
+  observed = np.bincount(bins[second], minlength=12)
+  assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_cli_tree_run_reports_tree_nodes(capsys):
+  from specjax.cli import main
+
+  code = main(
+      ['run', '-m', TARGET, '--drafter', 'eagle3', '--draft-model', HEAD, '--n-predict', '3', '--tree-topk', '2']
+      + ['--tree-tokens', '6', '--prompt', 'Hello', '--max-new-tokens', '8', '--page-size', '4', '--json']
+  )
+  out = capsys.readouterr().out
+  assert code == 0
+  spec = json.loads(out)['spec']
+  assert spec['drafter'] == 'eagle3' and 3 < spec['tree_nodes'] <= 6 and spec['accepted_path'] >= 0
+
+
+@pytest.mark.parametrize(
+    'argv, message',
+    [
+        (['--drafter', 'eagle3'], 'needs --draft-model'),
+        (['--drafter', 'eagle3', '--draft-model', HEAD, '--tree-topk', '2'], 'give --tree-tokens too'),
+        (['--drafter', 'eagle3', '--draft-model', HEAD, '--tree-tokens', '-1'], '--tree-tokens must be >= 0'),
+        (['--drafter', 'eagle3', '--draft-model', HEAD, '--tree-parents', '0,2'], 'tree'),
+        (['--drafter', 'eagle3', '--draft-model', HEAD, '--tree-parents', '0,x'], 'comma-separated integers'),
+        (['--drafter', 'eagle3', '--draft-model', '/nonexistent/head'], '/nonexistent/head'),
+        (['--drafter', 'eagle3', '--draft-model', f'{FIXTURES}/tiny_gemma3'], 'error'),
+    ],
+)
+def test_bad_input_is_one_error_line(capsys, argv, message):
+  from specjax.cli import main
+
+  code = main(['run', '-m', TARGET, '--prompt', 'Hi', '--max-new-tokens', '2'] + argv)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code != 0 and len(err) == 1 and err[0].startswith('error:') and message in err[0], err
+
+
+def test_trees_are_refused_on_hybrid_targets(capsys):
+  from specjax.cli import main
+
+  hybrid = f'{FIXTURES}/tiny_qwen3_5'
+  code = main(
+      ['run', '-m', hybrid, '--drafter', 'eagle3', '--draft-model', HEAD, '--tree-tokens', '4', '--prompt', 'Hi']
+  )
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code != 0 and len(err) == 1 and 'chains only' in err[0], err
