@@ -116,7 +116,7 @@ def test_export_serves_the_trained_drafter(trained):
   params = jax.device_get(report['params'])
   served = make_drafter('mtp', model, draft_model=os.path.join(out, 'export'))
   assert same(jax.device_get(served.head_params), params)
-  direct = MTPDrafter(graphdef=served.graphdef, head_params=params, hidden_size=model.config.hidden_size)
+  direct = MTPDrafter(graphdef=served.graphdef, head_params=params, feature_size=model.config.hidden_size)
   prompts = ['the cat sat on the', 'birds sang in']
   runs = [
       specjax.Engine(model, drafter=d, max_draft=3, page_size=4).generate(
