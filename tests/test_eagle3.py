@@ -10,7 +10,6 @@ from scipy import stats
 
 import specjax
 from specjax.drafters import make_drafter
-from specjax.errors import SpecjaxError
 from specjax.step import propose_phase
 from conftest import FIXTURES
 

@@ -243,7 +243,7 @@ def test_bad_config_is_one_error_line(data, tmp_path, capsys, overrides, message
 
 def test_soft_ce_value_and_gradient():
   """The chunked loss (gradient computed in its forward pass) = the plain formula, value and gradient."""
-  from specjax.train.losses import soft_ce
+  from specjax.train.losses import soft_ce, target_distribution
 
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32)
@@ -276,6 +276,12 @@ def test_soft_ce_value_and_gradient():
   assert rows == restricted(dh)[1] and count == valid.sum()
   grad = jax.grad(lambda x: soft_ce(draft_head, head, x, th, valid, chunk=5, draft_ids=ids)[0])(dh)
   np.testing.assert_allclose(grad, jax.grad(lambda x: restricted(x)[0])(dh), rtol=1e-4, atol=1e-6)
+  # The target side computed once (as EAGLE-3's training-time test does) gives the same.
+  dist = target_distribution(head, th, chunk=4, draft_ids=ids)
+  once = lambda x: soft_ce(draft_head, head, x, dist, valid, chunk=5, draft_ids=ids)
+  for got, want in zip(once(dh), (ce, agree, count, rows)):
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(lambda x: once(x)[0])(dh), grad, rtol=1e-5, atol=1e-7)
 
 
 def test_mtp_export_is_qwen_layout(tmp_path):

@@ -93,7 +93,6 @@ def level(ids, score, parent):
 
 
 def test_select_keeps_the_best_nodes_with_their_ancestry_in_bfs_order():
-  topk = 2
   # Level 1: the root's children; level 2: children of level-1 nodes [1, 0] (the frontier, best first).
   lv1 = level([10, 11], [-1.0, -0.5], [0, 0])
   lv2 = level([20, 21, 22, 23], [-0.5, -3.0, -1.0, -1.2], [1, 1, 0, 0])
@@ -115,7 +114,6 @@ def test_select_puts_improbable_candidates_last():
 
 
 def test_node_distributions_remove_earlier_siblings():
-  topk = 2
   root_q = jnp.asarray([[[0.1, 0.2, 0.3, 0.4]]])  # [B, 1, V]
   lv1 = level([3, 2], [np.log(0.4), np.log(0.3)], [0, 0])
   tree = tree_search.select([lv1], 2)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.train.losses import segment_mask, shift, soft_ce, target_features, ttt_attention
+from specjax.train.losses import segment_mask, shift, soft_ce, target_distribution, target_features, ttt_attention
 from specjax.train.trainers import DrafterTrainer
 
 
@@ -80,11 +80,11 @@ class Eagle3Trainer(DrafterTrainer):
     segments, loss_mask = batch['segments'], batch['loss_mask']
     draft_ids = jnp.arange(self.cfg.draft_vocab_size) + jnp.asarray(self.d2t, jnp.int32)
     total, metrics = 0.0, {'ce': [], 'agree': [], 'count': []}
+    dist = target_distribution(target.logits, hidden, self.chunk, draft_ids)  # once, shifted for every step
     for i, h in enumerate(self.unroll(params, target, batch, taps)):
       valid = (segments > 0) & (shift(segments, i + 2, -1) == segments) & shift(loss_mask, i + 2, False)
-      ce, agree, count, rows = soft_ce(
-          head.logits, target.logits, h, shift(hidden, i + 1), valid, self.chunk, draft_ids
-      )
+      step_dist = tuple(shift(x, i + 1) for x in dist)
+      ce, agree, count, rows = soft_ce(head.logits, target.logits, h, step_dist, valid, self.chunk, draft_ids)
       total = total + self.decay**i * ce / jnp.maximum(rows, 1.0)
       for name, value in (('ce', ce), ('agree', agree), ('count', count)):
         metrics[name].append(value)

@@ -84,11 +84,48 @@ def ttt_attention(attn, x: jax.Array, positions: jax.Array, mask: jax.Array, pre
   return attn.output(out.reshape(b, t, n, h), gate), (k, v)
 
 
+def _target_chunk(target_logits, th: jax.Array, draft_ids: jax.Array | None):
+  """The target's side of one chunk: (p [.., V'] on the draft vocabulary, argmax in it [..] bool, argmax [..])."""
+  full = jax.lax.stop_gradient(target_logits(th).astype(jnp.float32))
+  best = jnp.argmax(full, axis=-1)
+  if draft_ids is None:
+    return jax.nn.softmax(full, axis=-1), jnp.ones(best.shape, bool), best
+  p_logits = jnp.take(full, draft_ids, axis=-1)
+  return jax.nn.softmax(p_logits, axis=-1), draft_ids[jnp.argmax(p_logits, axis=-1)] == best, best
+
+
+def _chunks(x: jax.Array, c: int) -> jax.Array:  # [B, T, ...] -> [T / c, B, c, ...] (T padded)
+  pad = -x.shape[1] % c
+  x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape((x.shape[0], -1, c) + x.shape[2:]), 1, 0)
+
+
+def target_distribution(
+    target_logits,  # fn: [B, C, D] -> [B, C, V]
+    target_hidden: jax.Array,  # [B, T, D]
+    chunk: int,
+    draft_ids: jax.Array | None = None,  # [V']
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The target's side of `soft_ce` for every position, once: (p [B, T, V'], argmax in V' [B, T], argmax [B, T]).
+
+  Training-time test compares every step with the same target rows (shifted),
+  so a drafter with a small vocabulary computes them once and passes them to
+  `soft_ce` instead of the hidden states.
+  """
+  b, t, _ = target_hidden.shape
+  c = min(chunk, t)
+  _, out = jax.lax.scan(
+      lambda _, th: (None, _target_chunk(target_logits, th, draft_ids)), None, _chunks(target_hidden, c)
+  )
+  return tuple(jnp.moveaxis(x, 0, 1).reshape((b, -1) + x.shape[3:])[:, :t] for x in out)
+
+
 def soft_ce(
     draft_logits,  # fn: [B, C, D] -> [B, C, V'] the drafter's logits (V' = V, or the draft vocabulary)
     target_logits,  # fn: [B, C, D] -> [B, C, V] the target's logits
     draft_hidden: jax.Array,  # [B, T, D]
-    target_hidden: jax.Array,  # [B, T, D] aligned: row t holds the target state whose next token row t predicts
+    target_hidden: jax.Array | tuple,  # [B, T, D] aligned: row t holds the target state whose next token row t
+    # predicts; or that row's `target_distribution`, computed once
     valid: jax.Array,  # [B, T] bool
     chunk: int,
     draft_ids: jax.Array | None = None,  # [V'] target id of each draft-vocabulary id (None: the same vocabulary)
@@ -108,27 +145,19 @@ def soft_ce(
   """
   b, t, _ = draft_hidden.shape
   c = min(chunk, t)
-  pad = -t % c
-  if pad:
-    draft_hidden, target_hidden = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (draft_hidden, target_hidden))
-    valid = jnp.pad(valid, ((0, 0), (0, pad)))
-  split = lambda x: jnp.moveaxis(x.reshape((b, -1, c) + x.shape[2:]), 1, 0)  # [chunks, B, C, ...]
+  given = isinstance(target_hidden, tuple)
+  xs = (_chunks(draft_hidden, c), tuple(_chunks(x, c) for x in target_hidden) if given else _chunks(target_hidden, c))
 
   def body(carry, xs):
-    dh, th, v = xs
+    (dh, v), target = xs
     fixed = jax.lax.stop_gradient(dh)
     q_logits, pullback = jax.vjp(lambda x: draft_logits(x).astype(jnp.float32), fixed)
     logq = jax.nn.log_softmax(q_logits, axis=-1)
-    full = jax.lax.stop_gradient(target_logits(th).astype(jnp.float32))
-    best = jnp.argmax(full, axis=-1)
+    p, in_draft, best = target if given else _target_chunk(target_logits, target, draft_ids)
     drafted = jnp.argmax(q_logits, axis=-1)
-    if draft_ids is None:
-      p_logits, hit = full, v
-    else:
-      p_logits = jnp.take(full, draft_ids, axis=-1)
+    if draft_ids is not None:
       drafted = draft_ids[drafted]
-      hit = v & (draft_ids[jnp.argmax(p_logits, axis=-1)] == best)  # the target's argmax is in the draft vocabulary
-    p = jax.nn.softmax(p_logits, axis=-1)
+    hit = v & in_draft  # the target's argmax is in the draft vocabulary
     ce = -jnp.sum(p * logq, axis=-1)
     w = hit.astype(jnp.float32)
     (grad,) = pullback((jnp.exp(logq) - p) * w[..., None])  # d sum(w * ce) / d dh (p sums to 1)
@@ -139,5 +168,5 @@ def soft_ce(
     return tuple(a + x for a, x in zip(carry, sums)), None
 
   zero = jnp.zeros((), jnp.float32)
-  out, _ = jax.lax.scan(body, (zero,) * 4, (split(draft_hidden), split(target_hidden), split(valid)))
+  out, _ = jax.lax.scan(body, (zero,) * 4, ((xs[0], _chunks(valid, c)), xs[1]))
   return out
