@@ -14,7 +14,7 @@ latest and continues bit-identically.
 
 Outputs in `out/`: manifest.json, metrics.jsonl (`type` train: loss, lr,
 per-position agreement, tokens/s; `type` eval: agreement and the expected τ
-on eval data), curves.png, checkpoints/, export/.
+on eval data), curves.png, checkpoints/, export/ (rewritten at every checkpoint).
 """
 
 from __future__ import annotations
@@ -330,6 +330,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
         window['t0'] = time.perf_counter()
       if (save_every and done % save_every == 0) or done == steps:
         ckpt.save(done, state)
+        trainer.export(jax.device_get(state['params']), os.path.join(out, EXPORT))  # servable at every checkpoint
       if stop_at is not None and done >= stop_at:
         return {**report, 'stopped_at': done, 'params': state['params']}
   finally:
