@@ -293,7 +293,7 @@ def cmd_bench(args) -> int:
   prompts = bench.load_prompts(args.prompts, args.categories, args.limit)
   if not prompts:
     raise SpecjaxError(f'no prompts selected from {args.prompts or "Spec-Bench question.jsonl"}')
-  model, engine, _ = load_engine(args)
+  model, engine, options = load_engine(args)
   for k in depths:
     engine.check_depth(k)
 
@@ -312,7 +312,7 @@ def cmd_bench(args) -> int:
       sampling=sampling,
       progress=None if args.quiet else progress,
   )
-  rows = bench.table(report, engine.drafter.name)
+  rows = bench.table(report, get(drafter_kind(args)).describe(options))
   if args.json:
     calibration = {f'{prompt_id}/K={k}': v for (prompt_id, k), v in report['calibration'].items()}
     print(

@@ -234,7 +234,7 @@ def test_bench_table(capsys, tmp_path):
       '--quiet',
   )
   assert code == 0, err
-  assert '| copy | ngram | 2 |' in out and '| all | ngram | 1 |' in out
+  assert '| copy | ngram(1..3) | 2 |' in out and '| all | ngram(1..3) | 1 |' in out
   assert 'speculative outputs equal autoregressive: True' in out
 
 

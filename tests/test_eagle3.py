@@ -155,3 +155,28 @@ def test_trees_are_refused_on_hybrid_targets(capsys):
   )
   err = capsys.readouterr().err.strip().splitlines()
   assert code != 0 and len(err) == 1 and 'chains only' in err[0], err
+
+
+def test_sweep_over_tree_sizes(tmp_path):
+  """Sweeps take the eagle3 options as keys: one cell per tree size, equal greedy tokens."""
+  from specjax.sweep import run_sweep
+
+  prompts = tmp_path / 'questions.jsonl'
+  prompts.write_text(json.dumps({'question_id': 1, 'category': 'free', 'turns': ['Hello world']}) + '\n')
+  overrides = [
+      f'model={TARGET!r}',
+      f'prompts.path={str(prompts)!r}',
+      'prompts.categories=[]',
+      'max_new_tokens=6',
+      'page_size=4',
+      'warmup=False',
+      'drafter.kind="eagle3"',
+      f'drafter.draft_model={HEAD!r}',
+      'drafter.tree_topk=2',
+      'grid.drafter.tree_tokens=[4,6]',
+      'grid.policy=[{"name":"fixed","k":3}]',
+  ]
+  run_sweep(f'{FIXTURES}/../../configs/sweep_tiny.py', str(tmp_path / 'out'), overrides, progress=False)
+  rows = [json.loads(line) for line in open(tmp_path / 'out' / 'results.jsonl')]
+  requests = [r for r in rows if r['type'] == 'request']
+  assert len(requests) == 2 and requests[0]['tokens'] == requests[1]['tokens']
