@@ -106,3 +106,21 @@ def test_tree_speculation_equals_autoregressive_every_depth(target, sampling):
     assert spec.to_json()['tree_nodes'] > k  # every node of the tree was verified
     if k >= 3:
       assert spec.to_json()['accepted_path'] > 1.0  # paths through later siblings were accepted
+
+
+def test_trained_mtp_heads_draft_trees_too(tmp_path):
+  """A (random) MTP head for a dense target, exported as `specjax train` does, drafts dynamic and static trees."""
+  from specjax.drafters import make_drafter
+  from specjax.loading.mtp_head import save_mtp_head
+  from specjax.models import mtp
+
+  model = specjax.load(TINY)
+  _, params = nnx.split(mtp.for_target(model, rngs=nnx.Rngs(0)))
+  save_mtp_head(str(tmp_path / 'head'), model, params)
+  reference, _ = autoregressive(model, specjax.SamplingParams(), 16)
+  for options in ({'tree_topk': 2, 'tree_tokens': 5}, {'tree_parents': '0,0,1,2'}):
+    drafter = make_drafter('mtp', model, draft_model=str(tmp_path / 'head'), **options)
+    engine = specjax.Engine(model, page_size=4, drafter=drafter, max_draft=3)
+    for k in (1, 3):
+      results, _ = engine.generate(PROMPTS, max_new_tokens=16, num_draft=k)
+      assert [r.tokens for r in results] == reference, (options, k)

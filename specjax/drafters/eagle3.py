@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import trees
-from specjax.drafters.head import HeadDrafter
-from specjax.drafters.registry import DrafterFamily, checkpoint_option, option
+from specjax.drafters.head import HeadDrafter, TreeOptions, check_tree_target
+from specjax.drafters.registry import DrafterFamily, checkpoint_option
 from specjax.errors import SpecjaxError
 
 
@@ -63,63 +62,17 @@ class Eagle3Drafter(HeadDrafter):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Eagle3Options:
+class Eagle3Options(TreeOptions):
   draft_model: Any = checkpoint_option()
-  tree_topk: int | None = option(
-      None, '--tree-topk', type=int, help='eagle3: children per expanded node of an EAGLE-2 draft tree (default 4)'
-  )
-  tree_tokens: int = option(
-      0,
-      '--tree-tokens',
-      type=int,
-      help='eagle3: draft-tree nodes verified per step (0: a chain of --n-predict drafts); the tree is '
-      '--n-predict deep',
-  )
-
-  tree_parents: Any = option(
-      None,
-      '--tree-parents',
-      type=str,
-      help='eagle3: a static draft tree, the parent of each node as a comma-separated list (0: the root, node i '
-      'is i); nodes deeper than --n-predict are dropped',
-  )
 
   def validate(self) -> None:
     if self.draft_model is None:
       raise SpecjaxError('--drafter eagle3 needs --draft-model PATH (an EAGLE-3 checkpoint)')
-    if self.tree_parents is not None and (self.tree_tokens or self.tree_topk is not None):
-      raise SpecjaxError('--tree-parents gives a static tree; it cannot be combined with --tree-tokens / --tree-topk')
-    self.parents()
-    if self.tree_tokens < 0:
-      raise SpecjaxError(f'--tree-tokens must be >= 0 (0: chains), got {self.tree_tokens}')
-    if self.tree_topk is not None and not self.tree_tokens:
-      raise SpecjaxError('--tree-topk shapes a draft tree: give --tree-tokens too')
-    if self.tree_topk is not None and self.tree_topk < 1:
-      raise SpecjaxError(f'--tree-topk must be at least 1, got {self.tree_topk}')
-
-  def parents(self) -> tuple[int, ...]:
-    """The static tree's parent list (node i + 1's parent; 0: the root), or ()."""
-    if self.tree_parents is None:
-      return ()
-    entries = self.tree_parents
-    if isinstance(entries, str):
-      try:
-        entries = [int(x) for x in entries.replace(' ', '').split(',') if x]
-      except ValueError:
-        raise SpecjaxError(f'--tree-parents must be comma-separated integers, got {self.tree_parents!r}') from None
-    return tuple(int(p) for p in trees.static_tree([0, *entries])[1:])
-
-  @property
-  def topk(self) -> int:
-    return 0 if not self.tree_tokens else (self.tree_topk or 4)
+    super().validate()
 
 
 def _check(target, options: Eagle3Options) -> None:
-  if (options.tree_tokens or options.tree_parents) and target.is_hybrid:
-    raise SpecjaxError(
-        f'{target.source}: draft trees need a target whose cache rolls back by position; this hybrid '
-        '(recurrent-state) target verifies chains only (drop --tree-tokens)'
-    )
+  check_tree_target(target, options)
   if not hasattr(target.module(), 'lookup'):
     raise SpecjaxError(f'{target.source}: EAGLE-3 needs a target with a token-embedding table')
 
@@ -140,16 +93,8 @@ def _build(target, options: Eagle3Options) -> Eagle3Drafter:
       has_embedding=cfg.has_embedding,
       feature_size=cfg.hidden_size,
       taps=tuple(cfg.taps),
-      tree_topk=options.topk,
-      tree_tokens=len(options.parents()) or options.tree_tokens,
-      tree_parents=options.parents(),
+      **options.tree_shape(),
   )
-
-
-def _label(options: Eagle3Options) -> str:
-  if options.tree_parents is not None:
-    return f'eagle3-tree(static {len(options.parents())})'
-  return f'eagle3-tree({options.topk}x{options.tree_tokens})' if options.tree_tokens else 'eagle3'
 
 
 FAMILY = DrafterFamily(
@@ -159,7 +104,7 @@ FAMILY = DrafterFamily(
     check=_check,
     depths=(2, 3, 4, 5, 6),
     default_depth=5,
-    label=_label,
+    label=lambda o: o.tree_label('eagle3'),
     help='an EAGLE-3 head (SpecForge / vLLM or speculators checkpoint) over tapped target features; chains, '
     'or EAGLE-2 trees with --tree-tokens',
 )

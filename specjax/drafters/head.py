@@ -44,6 +44,8 @@ from specjax import trees
 from specjax.cache.paged import KVCache
 from specjax.drafters import tree_search
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.drafters.registry import option
+from specjax.errors import SpecjaxError
 from specjax.models.contract import StepInputs
 from specjax.sampling import STREAM_SAMPLE, STREAM_TREE
 
@@ -240,5 +242,70 @@ class HeadDrafter(Drafter):
     return HeadState(state.cache, pending, jnp.where(n_emitted > 0, n_emitted, state.num_pending).astype(jnp.int32))
 
 
-def params_dtype(params: Any):
-  return jax.tree.leaves(params)[0].dtype
+@dataclasses.dataclass(frozen=True, eq=False)
+class TreeOptions:
+  """The tree settings of head drafters (`eagle3`, `mtp`): chains by default."""
+
+  tree_topk: int | None = option(
+      None, '--tree-topk', type=int, help='eagle3 / mtp: children per expanded node of an EAGLE-2 tree (default 4)'
+  )
+  tree_tokens: int = option(
+      0,
+      '--tree-tokens',
+      type=int,
+      help='eagle3 / mtp: draft-tree nodes verified per step (0: a chain of --n-predict drafts); the tree is '
+      '--n-predict deep',
+  )
+  tree_parents: Any = option(
+      None,
+      '--tree-parents',
+      type=str,
+      help='eagle3 / mtp: a static draft tree, the parent of each node as a comma-separated list (0: the root, '
+      'node i is i); nodes deeper than --n-predict are dropped',
+  )
+
+  def validate(self) -> None:
+    if self.tree_parents is not None and (self.tree_tokens or self.tree_topk is not None):
+      raise SpecjaxError('--tree-parents gives a static tree; it cannot be combined with --tree-tokens / --tree-topk')
+    self.parents()
+    if self.tree_tokens < 0:
+      raise SpecjaxError(f'--tree-tokens must be >= 0 (0: chains), got {self.tree_tokens}')
+    if self.tree_topk is not None and not self.tree_tokens:
+      raise SpecjaxError('--tree-topk shapes a draft tree: give --tree-tokens too')
+    if self.tree_topk is not None and self.tree_topk < 1:
+      raise SpecjaxError(f'--tree-topk must be at least 1, got {self.tree_topk}')
+
+  def parents(self) -> tuple[int, ...]:
+    """The static tree's parent list (node i + 1's parent; 0: the root), or ()."""
+    if self.tree_parents is None:
+      return ()
+    entries = self.tree_parents
+    if isinstance(entries, str):
+      try:
+        entries = [int(x) for x in entries.replace(' ', '').split(',') if x]
+      except ValueError:
+        raise SpecjaxError(f'--tree-parents must be comma-separated integers, got {self.tree_parents!r}') from None
+    return tuple(int(p) for p in trees.static_tree([0, *entries])[1:])
+
+  @property
+  def is_tree(self) -> bool:
+    return bool(self.tree_tokens or self.tree_parents is not None)
+
+  def tree_shape(self) -> dict:
+    """`HeadDrafter` fields for these settings."""
+    parents = self.parents()
+    topk = (self.tree_topk or 4) if self.tree_tokens else 0
+    return {'tree_topk': topk, 'tree_tokens': len(parents) or self.tree_tokens, 'tree_parents': parents}
+
+  def tree_label(self, name: str) -> str:
+    if self.tree_parents is not None:
+      return f'{name}-tree(static {len(self.parents())})'
+    return f'{name}-tree({self.tree_shape()["tree_topk"]}x{self.tree_tokens})' if self.tree_tokens else name
+
+
+def check_tree_target(target, options: TreeOptions) -> None:
+  if options.is_tree and target.is_hybrid:
+    raise SpecjaxError(
+        f'{target.source}: draft trees need a target whose cache rolls back by position; this hybrid '
+        '(recurrent-state) target verifies chains only (drop the tree options)'
+    )

@@ -14,7 +14,7 @@ from typing import Any
 
 from flax import nnx
 
-from specjax.drafters.head import HeadDrafter
+from specjax.drafters.head import HeadDrafter, TreeOptions, check_tree_target
 from specjax.drafters.registry import DrafterFamily, checkpoint_option
 from specjax.errors import SpecjaxError
 
@@ -51,8 +51,8 @@ class MTPDrafter(HeadDrafter):
     return nnx.merge(self.graphdef, params).cache_layout()
 
 
-@dataclasses.dataclass(frozen=True)
-class MTPOptions:
+@dataclasses.dataclass(frozen=True, eq=False)
+class MTPOptions(TreeOptions):
   """The head: the checkpoint's built-in one, or a trained one (`specjax train`'s export); depth is the step's K."""
 
   draft_model: Any = checkpoint_option()
@@ -65,10 +65,13 @@ def _build(target, options: MTPOptions) -> MTPDrafter:
     graphdef, params = load_mtp_head(options.draft_model, target)
   else:
     graphdef, params = target.heads['mtp']
-  return MTPDrafter(graphdef=graphdef, head_params=params, feature_size=target.config.hidden_size)
+  return MTPDrafter(
+      graphdef=graphdef, head_params=params, feature_size=target.config.hidden_size, **options.tree_shape()
+  )
 
 
 def _check(target, options: MTPOptions) -> None:
+  check_tree_target(target, options)
   if options.draft_model is None:
     check_mtp_target(target)
 
@@ -78,6 +81,7 @@ FAMILY = DrafterFamily(
     options=MTPOptions,
     build=_build,
     check=_check,
+    label=lambda o: o.tree_label('mtp'),
     depths=(2, 3, 4, 6),
     default_depth=3,
     target_heads=lambda o: () if o.draft_model is not None else ('mtp',),
