@@ -331,3 +331,17 @@ def test_hybrid_target_trains_one_sequence_per_row(data, tmp_path):
   assert np.isfinite(report['loss'])
   manifest = json.load(open(tmp_path / 'h' / 'manifest.json'))
   assert manifest['data']['rows'] == 48  # packing is off for recurrent targets: one record per row
+
+
+def test_regenerated_answers_serve_any_subset(tmp_path, monkeypatch):
+  """The cache is per prompt: a subset, or a superset's known part, needs no engine."""
+  import specjax
+  from specjax.train.regenerate import regenerate
+
+  model = specjax.load(TINY)
+  prompts = [model.tokenizer.encode(p) for p in ('the cat', 'birds sang in', 'a dog')]
+  kwargs = dict(max_new_tokens=3, batch_size=2, cache_dir=str(tmp_path), progress=False)
+  full = regenerate(model, prompts, **kwargs)
+  monkeypatch.setattr(specjax, 'Engine', None)
+  part = regenerate(model, prompts[2:0:-1], **kwargs)
+  assert [e.ids for e in part] == [full[2].ids, full[1].ids]

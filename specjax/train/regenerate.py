@@ -2,10 +2,11 @@
 
 Prompts (each record's messages up to its first user turn, formatted as for
 training) are answered in batches through `Engine.generate`. The answers are
-cached on disk once, keyed by the target (source, architecture, parameter
-count, tokenizer), the prompt ids and the settings: `<cache>/<key>.jsonl`, one
-line per prompt, appended batch by batch, so an interrupted regeneration
-continues where it stopped.
+cached on disk once per prompt, in a file keyed by the target (source,
+architecture, parameter count, tokenizer) and the settings:
+`<cache>/<key>.jsonl`, one line per prompt, appended batch by batch. An
+interrupted regeneration continues where it stopped, and any other set of
+prompts (a data-size ablation, more data) reuses every answer already there.
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ from specjax.sweep.config import stable_hash
 from specjax.train.data import Example
 
 
-def cache_path(target, prompts: list[list[int]], settings: dict, cache_dir: str | None) -> str:
+def cache_path(target, settings: dict, cache_dir: str | None) -> str:
   from specjax.datasets import cache_dir as user_cache
 
   key = stable_hash(
       {
           'target': [os.path.abspath(target.source), target.architecture, target.num_params, str(target.dtype)],
           'tokenizer': target.tokenizer.fingerprint(),
-          'prompts': stable_hash(prompts, 32),
           'settings': settings,
       },
       24,
@@ -64,33 +64,39 @@ def regenerate(
   if not prompts:
     raise SpecjaxError('data.regenerate: no prompts to answer (the records have no user turn)')
   settings = {'max_new_tokens': max_new_tokens, 'temperature': temperature, 'seed': seed}
-  path = cache_path(target, prompts, settings, cache_dir)
-  done = _read(path)[: len(prompts)]
-  if len(done) < len(prompts):
+  path = cache_path(target, settings, cache_dir)
+  done = _read(path)
+  answers = {tuple(r['prompt']): r['output'] for r in done}
+  first = {}  # each prompt's first index: its request id (the seed of its draws)
+  for i, p in enumerate(prompts):
+    first.setdefault(tuple(p), i)
+  todo = sorted(set(first) - set(answers), key=first.get)
+  if todo:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'w', encoding='utf-8') as f:  # rewrite the complete lines, drop a torn one
       f.writelines(json.dumps(r) + '\n' for r in done)
-    engine = specjax.Engine(target, max_seq_len=max(len(p) for p in prompts) + max_new_tokens + 1)
+    engine = specjax.Engine(target, max_seq_len=max(len(p) for p in todo) + max_new_tokens + 1)
     sampling = specjax.SamplingParams(temperature=temperature, seed=seed)
     bar = None
     if progress:
       from tqdm import tqdm
 
-      bar = tqdm(total=len(prompts), initial=len(done), file=sys.stderr, unit='prompt', desc='regenerate')
+      bar = tqdm(
+          total=len(prompts), initial=len(prompts) - len(todo), file=sys.stderr, unit='prompt', desc='regenerate'
+      )
     with open(path, 'a', encoding='utf-8') as f:
-      for start in range(len(done), len(prompts), batch_size):
-        ids = list(range(start, min(start + batch_size, len(prompts))))
-        results, _ = engine.generate(
-            [prompts[i] for i in ids], max_new_tokens=max_new_tokens, sampling=sampling, request_ids=ids
-        )
-        for i, r in zip(ids, results):
-          record = {'prompt': prompts[i], 'output': r.tokens}
-          f.write(json.dumps(record) + '\n')
-          done.append(record)
+      for start in range(0, len(todo), batch_size):
+        batch = [list(p) for p in todo[start : start + batch_size]]
+        ids = [first[tuple(p)] for p in batch]
+        results, _ = engine.generate(batch, max_new_tokens=max_new_tokens, sampling=sampling, request_ids=ids)
+        for p, r in zip(batch, results):
+          f.write(json.dumps({'prompt': p, 'output': r.tokens}) + '\n')
+          answers[tuple(p)] = r.tokens
         f.flush()
         os.fsync(f.fileno())
         if bar:
-          bar.update(len(ids))
+          bar.update(len(batch))
     if bar:
       bar.close()
+  done = [{'prompt': p, 'output': answers[tuple(p)]} for p in prompts]
   return [Example(r['prompt'] + r['output'], [False] * len(r['prompt']) + [True] * len(r['output'])) for r in done]
