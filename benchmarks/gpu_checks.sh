@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_checks.sh OUTDIR
 # 1. the Triton paged attention kernel compiled for real vs the reference;
 # 2. the engine with impl="pallas" gives the XLA path's tokens;
-# 3. benchmarks/paged_attention.py (kernel vs XLA vs jax's one-query kernel).
+# 3. benchmarks/paged_attention.py (kernel vs XLA vs jax's one-query kernel);
+# 4. benchmarks/tree_step.py (chain vs 16/32/64-node tree steps, EAGLE-3 head on Gemma 3 270M, bf16), and the
+#    tree / EAGLE-3 tests on the GPU.
 set -uo pipefail
 out=${1:-gpu_checks_out}
 mkdir -p "$out"
@@ -16,3 +18,5 @@ $py -m pytest -q -p no:cacheprovider tests/test_paged_attention_kernel.py -k 'no
     tests/test_gpu_engine.py 2>&1 | tee "$out/tests.log"
 $py benchmarks/paged_attention.py --batch 1 8 64 --context 4096 32768 --queries 1 4 8 \
     --json "$out/paged_attention.json" 2>&1 | tee "$out/paged_attention.log"
+$py -m pytest -q -p no:cacheprovider tests/test_tree_speculative.py tests/test_eagle3.py 2>&1 | tee "$out/tree_tests.log"
+$py benchmarks/tree_step.py --rounds 3 --json "$out/tree_step.json" 2>&1 | tee "$out/tree_step.log"
