@@ -28,9 +28,10 @@ def checkpoint_option() -> Any:
       '--draft-model',
       '--mtp-model',
       type=str,
-      help='the drafter checkpoint: a draft model (draft-model; same forms as -m), an EAGLE-3 head (eagle3) or a '
-      'trained MTP head (mtp; the export/ of specjax train), '
-      'as a path or hub id (a loaded object in Python); --mtp-model is the mistral.rs spelling',
+      help='the drafter checkpoint: a draft model (draft-model; same forms as -m), an EAGLE-3 head (eagle3), a '
+      'DFlash draft (dflash) or a trained MTP head (mtp; the export/ of specjax train), '
+      'as a path or hub id (a loaded object in Python); --mtp-model is the mistral.rs spelling; without '
+      '--drafter, a local EAGLE-3 or DFlash checkpoint selects its family from config.json architectures',
   )
 
 
