@@ -168,6 +168,38 @@ def test_hybrid_greedy_equals_autoregressive(tmp_path):
     assert [r.tokens for r in results] == [r.tokens for r in plain], k
 
 
+@pytest.mark.parametrize('name', ['tiny_llama3', 'tiny_gemma3'])
+def test_other_targets_greedy_equal_autoregressive(tmp_path, name):
+  """Llama 3 and Gemma 3 (its embedding scale, GeGLU target; taps from the default spacing) targets."""
+  model = specjax.load(f'{FIXTURES}/{name}')
+  taps = (0,) if model.config.num_layers < 4 else default_taps(model.config.num_layers, 2)
+  drafter = make_drafter('dflash', model, draft_model=random_draft(tmp_path, model, taps))
+  plain, _ = specjax.Engine(model, page_size=4).generate(PROMPTS, max_new_tokens=12)
+  engine = specjax.Engine(model, page_size=4, drafter=drafter)
+  for k in (1, 3):
+    results, _ = engine.generate(PROMPTS, max_new_tokens=12, num_draft=k)
+    assert [r.tokens for r in results] == [r.tokens for r in plain], k
+
+
+def test_save_round_trip(tmp_path, target, ckpt):
+  save_dflash(str(tmp_path / 'f32'), ckpt.config, ckpt.params)
+  back = load_dflash(str(tmp_path / 'f32'), target)
+  assert back.config == ckpt.config
+  same = jax.tree.map(np.array_equal, nnx.to_pure_dict(back.params), nnx.to_pure_dict(ckpt.params))
+  assert all(jax.tree.leaves(same))
+  hf = json.loads((tmp_path / 'f32' / 'config.json').read_text())
+  assert hf['architectures'] == ['DFlashDraftModel'] and hf['dflash_config'] == {
+      'mask_token_id': 500,
+      'target_layer_ids': [0],
+  }
+  assert hf['block_size'] == 6 and hf['num_target_layers'] == 2 and hf['rope_theta'] == 1e6
+  original = load_file(f'{DRAFT}/model.safetensors')
+  saved = load_file(tmp_path / 'f32' / 'model.safetensors')
+  assert sorted(saved) == sorted(original)
+  for name, w in original.items():
+    np.testing.assert_array_equal(saved[name], w.astype(np.float32), err_msg=name)
+
+
 def gather(cache: KVCache, row: int, n: int):
   """[layers, 2, n, K, H]: the keys and values of positions 0..n-1 of one row."""
   pos = np.arange(n)
@@ -282,3 +314,29 @@ def test_cli_mtp_model_selects_dflash(capsys):
   out = json.loads(capsys.readouterr().out)
   assert code == 0 and out['spec']['drafter'] == 'dflash' and out['spec']['k'] == 5  # min(block_size - 1, 7)
   assert set(out['step_depths']) == {5}
+
+
+def test_cli_mtp_model_selects_eagle3(capsys):
+  from specjax.cli import main
+
+  code = main(
+      ['run', '-m', f'{FIXTURES}/tiny_llama3', '--mtp-model', f'{FIXTURES}/tiny_eagle3', '--prompt', 'Hi']
+      + ['--max-new-tokens', '4', '--json']
+  )
+  out = json.loads(capsys.readouterr().out)
+  assert code == 0 and out['spec']['drafter'] == 'eagle3'
+
+
+def test_cli_bench_caps_the_family_depths(tmp_path, capsys):
+  """bench's default depths, 3 5 7, become 3 5 under a block of 6."""
+  from specjax.cli import main
+
+  prompts = tmp_path / 'questions.jsonl'
+  prompts.write_text(json.dumps({'question_id': 1, 'category': 'free', 'turns': ['Hello world']}) + '\n')
+  code = main(
+      ['bench', '-m', TARGET, '--drafter', 'dflash', '--draft-model', DRAFT, '--prompts', str(prompts)]
+      + ['--max-new-tokens', '4', '--page-size', '4', '--json', '--quiet']
+  )
+  out = json.loads(capsys.readouterr().out)
+  assert code == 0 and out['greedy_outputs_equal']
+  assert sorted({k for key in out['calibration'] for k in [int(key.split('K=')[1])]}) == [3, 5]
