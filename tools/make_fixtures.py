@@ -4,8 +4,9 @@ Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
   /work/torchenv/bin/python tools/make_fixtures.py \
-      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3]
+      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3|dflash]
       [--eagle-repo PATH]  (a SafeAILab/EAGLE clone, for eagle3)
+      [--dflash-repo PATH]  (a z-lab/dflash clone, for dflash)
 
 Outputs, under tests/fixtures/:
   tiny_gemma3/                    random Gemma3ForCausalLM, Hub-style config.
@@ -32,6 +33,10 @@ Outputs, under tests/fixtures/:
                                   and the speculators layouts.
   tiny_eagle3_reference.npz       its teacher-forced logits, a greedy chain and
                                   an EAGLE-2 tree (topK_genrate).
+  tiny_dflash/                    a random DFlash draft over tiny_qwen3, built with
+                                  z-lab's dflash/model.py (read from a clone).
+  tiny_dflash_reference.npz       two greedy blocks per prompt as dflash_generate
+                                  drafts them: block outputs, logits, drafts.
 """
 
 import argparse
