@@ -213,32 +213,20 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   )
 
 
-def checkpoint_family(path) -> str:
-  """The family of a --draft-model / --mtp-model checkpoint without --drafter: from a local config.json's
-  architectures (DFlashDraftModel: dflash; LlamaForCausalLMEagle3, Eagle3LlamaForCausalLM, Eagle3Speculator:
-  eagle3), else draft-model. Hub ids are not fetched for this."""
-  config = os.path.join(os.path.expanduser(str(path)), 'config.json')
-  try:
-    with open(config, encoding='utf-8') as f:
-      hf = json.load(f)
-  except (OSError, ValueError):
-    return 'draft-model'
-  archs = (hf.get('architectures') or []) if isinstance(hf, dict) else []
-  if 'DFlashDraftModel' in archs:
-    return 'dflash'
-  if {'LlamaForCausalLMEagle3', 'Eagle3LlamaForCausalLM', 'Eagle3Speculator'} & set(archs):
-    return 'eagle3'
-  return 'draft-model'
-
-
 def drafter_kind(args) -> str:
   """The drafter family the flags ask for (checked before any model is read)."""
   from specjax.drafters import REGISTRY, get
+  from specjax.drafters.registry import checkpoint_family
 
   mtp = getattr(args, 'mtp', False)
   if mtp and args.drafter not in (None, 'mtp'):
     raise SpecjaxError(f'--mtp drafts with the built-in MTP head; it cannot be combined with --drafter {args.drafter}')
-  kind = 'mtp' if mtp else args.drafter or (checkpoint_family(args.draft_model) if args.draft_model else 'ngram')
+  if mtp:
+    kind = 'mtp'
+  elif args.drafter or not args.draft_model:
+    kind = args.drafter or 'ngram'
+  else:  # --draft-model / --mtp-model alone: the family its local config.json's architectures name
+    kind = checkpoint_family(args.draft_model) or 'draft-model'
   family = get(kind)
   own = {f.name for f in dataclasses.fields(family.options)}
   for other in REGISTRY.values():

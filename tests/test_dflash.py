@@ -340,3 +340,27 @@ def test_cli_bench_caps_the_family_depths(tmp_path, capsys):
   out = json.loads(capsys.readouterr().out)
   assert code == 0 and out['greedy_outputs_equal']
   assert sorted({k for key in out['calibration'] for k in [int(key.split('K=')[1])]}) == [3, 5]
+
+
+def test_sweep_over_depths(tmp_path):
+  """Sweeps take the dflash options as keys: two fixed depths, equal greedy tokens."""
+  from specjax.sweep import run_sweep
+
+  prompts = tmp_path / 'questions.jsonl'
+  prompts.write_text(json.dumps({'question_id': 1, 'category': 'free', 'turns': ['Hello world']}) + '\n')
+  overrides = [
+      f'model={TARGET!r}',
+      f'prompts.path={str(prompts)!r}',
+      'prompts.categories=[]',
+      'max_new_tokens=6',
+      'page_size=4',
+      'warmup=False',
+      'drafter.kind="dflash"',
+      f'drafter.draft_model={DRAFT!r}',
+      'drafter.draft_sampling="greedy"',
+      'grid.policy=[{"name":"fixed","k":2},{"name":"fixed","k":5}]',
+  ]
+  run_sweep(f'{FIXTURES}/../../configs/sweep_tiny.py', str(tmp_path / 'out'), overrides, progress=False)
+  rows = [json.loads(line) for line in open(tmp_path / 'out' / 'results.jsonl')]
+  requests = [r for r in rows if r['type'] == 'request']
+  assert len(requests) == 2 and requests[0]['tokens'] == requests[1]['tokens']

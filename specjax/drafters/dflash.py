@@ -21,8 +21,6 @@ target's cache or recurrent state, so hybrids roll back as with any chain.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 import jax
@@ -31,7 +29,7 @@ from flax import nnx
 
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
-from specjax.drafters.registry import DrafterFamily, checkpoint_option, option
+from specjax.drafters.registry import DrafterFamily, checkpoint_option, local_config, option
 from specjax.errors import SpecjaxError
 from specjax.models.contract import StepInputs
 from specjax.models.dflash import block_mask
@@ -109,30 +107,13 @@ class DFlashDrafter(Drafter):
 # ---------------------------------------------------------------- the family
 
 
-def _checkpoint_config(ckpt: Any) -> dict | None:
-  """config.json of a local checkpoint directory, or None (a hub id is not fetched here)."""
-  from specjax.loading.dflash import DFlashCheckpoint
-
-  if isinstance(ckpt, DFlashCheckpoint):
-    return None
-  path = os.path.join(os.path.expanduser(str(ckpt)), 'config.json')
-  if not os.path.isfile(path):
-    return None
-  try:
-    with open(path, encoding='utf-8') as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
 def block_size_of(ckpt: Any) -> int | None:
   """The checkpoint's block size, cheaply (a loaded checkpoint, or a local config.json); None if unknown."""
   from specjax.loading.dflash import DFlashCheckpoint
 
   if isinstance(ckpt, DFlashCheckpoint):
     return ckpt.config.block_size
-  hf = _checkpoint_config(ckpt)
-  size = (hf or {}).get('block_size')
+  size = (local_config(ckpt) or {}).get('block_size')
   return size if isinstance(size, int) and size >= 2 else None
 
 
