@@ -130,6 +130,20 @@ def test_sampled_equals_autoregressive(target):
   assert [r.tokens for r in spec] == [r.tokens for r in plain]
 
 
+@pytest.mark.parametrize('gate', [False, True])
+def test_project_kv_is_projects_keys_and_values(gate):
+  from specjax.models.layers import Attention, AttentionSpec
+
+  spec = AttentionSpec(4, 2, 8, Rope(base=1e4, rotary_dim=4), scale=0.3, qk_norm=True, output_gate=gate)
+  attn = Attention(16, spec, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 3, 16))
+  positions = jnp.asarray([[4, 5, 6], [0, 1, 2]])
+  _, key, value, _ = attn.project(x, positions)
+  got_key, got_value = attn.project_kv(x, positions)
+  np.testing.assert_array_equal(got_key, key)
+  np.testing.assert_array_equal(got_value, value)
+
+
 def random_draft(tmp_path, target_model, taps, block_size=4, window=None) -> str:
   t = target_model.config
   cfg = DFlashConfig(
