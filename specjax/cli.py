@@ -216,11 +216,17 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
 def drafter_kind(args) -> str:
   """The drafter family the flags ask for (checked before any model is read)."""
   from specjax.drafters import REGISTRY, get
+  from specjax.drafters.registry import checkpoint_family
 
   mtp = getattr(args, 'mtp', False)
   if mtp and args.drafter not in (None, 'mtp'):
     raise SpecjaxError(f'--mtp drafts with the built-in MTP head; it cannot be combined with --drafter {args.drafter}')
-  kind = 'mtp' if mtp else args.drafter or ('draft-model' if args.draft_model else 'ngram')
+  if mtp:
+    kind = 'mtp'
+  elif args.drafter or not args.draft_model:
+    kind = args.drafter or 'ngram'
+  else:  # --draft-model / --mtp-model alone: the family its local config.json's architectures name
+    kind = checkpoint_family(args.draft_model) or 'draft-model'
   family = get(kind)
   own = {f.name for f in dataclasses.fields(family.options)}
   for other in REGISTRY.values():
@@ -268,6 +274,8 @@ def cmd_run(args) -> int:
   if args.max_new_tokens < 1:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
   model, engine, options = load_engine(args)
+  if args.n_predict is None:  # the family's default, capped by what the drafter drafts (e.g. a block size)
+    k = min(k, engine.max_draft)
   depth = k
   if args.policy or os.environ.get('SPECJAX_POLICY'):
     from specjax.policies import make_policy
@@ -294,6 +302,8 @@ def cmd_bench(args) -> int:
   if not prompts:
     raise SpecjaxError(f'no prompts selected from {args.prompts or "Spec-Bench question.jsonl"}')
   model, engine, options = load_engine(args)
+  if not (args.n_predict_list or args.n_predict):  # the family's depths, capped by what the drafter drafts
+    depths = sorted({min(k, engine.max_draft) for k in depths})
   for k in depths:
     engine.check_depth(k)
 

@@ -4,8 +4,9 @@ Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
   /work/torchenv/bin/python tools/make_fixtures.py \
-      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3]
+      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3|dflash]
       [--eagle-repo PATH]  (a SafeAILab/EAGLE clone, for eagle3)
+      [--dflash-repo PATH]  (a z-lab/dflash clone, for dflash)
 
 Outputs, under tests/fixtures/:
   tiny_gemma3/                    random Gemma3ForCausalLM, Hub-style config.
@@ -32,6 +33,10 @@ Outputs, under tests/fixtures/:
                                   and the speculators layouts.
   tiny_eagle3_reference.npz       its teacher-forced logits, a greedy chain and
                                   an EAGLE-2 tree (topK_genrate).
+  tiny_dflash/                    a random DFlash draft over tiny_qwen3, built with
+                                  z-lab's dflash/model.py (read from a clone).
+  tiny_dflash_reference.npz       two greedy blocks per prompt as dflash_generate
+                                  drafts them: block outputs, logits, drafts.
 """
 
 import argparse
@@ -1784,6 +1789,212 @@ def make_eagle3(eagle_repo: str):
   )
 
 
+# ---------------------------------------------------------------- DFlash draft (--only dflash)
+
+# z-lab/dflash at this commit: dflash/model.py (`DFlashDraftModel`, driven here as
+# its `dflash_generate` drives it) is read from a clone at run time and imported
+# from a temporary directory; it is never committed here.
+DFLASH_COMMIT = '44947fb'
+DFLASH_TARGET = 'tiny_qwen3'
+DFLASH_PROMPT_ROWS = (0, 1)  # Rows of tiny_qwen3_reference.npz.
+DFLASH_BLOCK = 6
+DFLASH_MASK = 500  # An ordinary id of the tiny vocabulary stands in for <|MASK|>.
+DFLASH_TAPS = (0,)  # target_layer_ids: hidden_states[id + 1], the output of layer id (the target has 2 layers).
+DFLASH_STEPS = 2  # Blocks drafted per prompt (the second after one verify step's context append).
+DFLASH_SEED = 7
+
+
+def dflash_config_dict(target_config: dict) -> dict:
+  """config.json in the z-lab / SpecForge layout (`DFlashDraftModel`), over the target's width and vocabulary."""
+  return {
+      'architectures': ['DFlashDraftModel'],
+      'model_type': 'qwen3',
+      'block_size': DFLASH_BLOCK,
+      'dflash_config': {'mask_token_id': DFLASH_MASK, 'target_layer_ids': list(DFLASH_TAPS)},
+      'num_target_layers': target_config['num_hidden_layers'],
+      'hidden_size': target_config['hidden_size'],
+      'intermediate_size': 32,
+      'num_hidden_layers': 2,
+      'num_attention_heads': 4,
+      'num_key_value_heads': 2,
+      'head_dim': 16,
+      'hidden_act': 'silu',
+      'rms_norm_eps': 1e-6,
+      'rope_theta': 1000000.0,
+      'rope_scaling': None,
+      'max_position_embeddings': 512,
+      'vocab_size': target_config['vocab_size'],
+      'layer_types': ['full_attention', 'full_attention'],
+      'use_sliding_window': False,
+      'sliding_window': None,
+      'max_window_layers': 2,
+      'attention_bias': False,
+      'attention_dropout': 0.0,
+      'tie_word_embeddings': False,
+      'torch_dtype': 'bfloat16',
+  }
+
+
+@contextlib.contextmanager
+def dflash_upstream(repo: str):
+  """Imports z-lab's `dflash/model.py` (pinned commit) from a git clone into a temporary package."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  with tempfile.TemporaryDirectory() as tmp:
+    pkg = pathlib.Path(tmp) / 'dflash_upstream'
+    pkg.mkdir()
+    (pkg / '__init__.py').write_text('')
+    blob = subprocess.run(
+        ['git', '-C', repo, 'show', f'{DFLASH_COMMIT}:dflash/model.py'], check=True, capture_output=True
+    ).stdout
+    (pkg / 'model.py').write_bytes(blob)
+    sys.path.insert(0, tmp)
+    try:
+      import dflash_upstream.model as model  # pylint: disable=g-import-not-at-top
+
+      yield model
+    finally:
+      sys.path.remove(tmp)
+      for mod in [m for m in sys.modules if m.startswith('dflash_upstream')]:
+        del sys.modules[mod]
+
+
+def init_dflash(draft, gen: torch.Generator) -> dict[str, torch.Tensor]:
+  """Seeded weights, rounded to bfloat16 (stored so)."""
+  tensors = {}
+  with torch.no_grad():
+    for name, param in sorted(draft.named_parameters()):
+      mean, std = 0.0, 0.5
+      if name == 'norm.weight':
+        mean, std = 3.0, 1.0
+      elif name.endswith('norm.weight'):
+        mean, std = 1.0, 0.3
+      value = (mean + std * torch.randn(param.shape, generator=gen)).to(torch.bfloat16)
+      param.copy_(value.float())
+      tensors[name] = value
+  return tensors
+
+
+def crop_to(cache, length: int):
+  """z-lab's `cache.crop(length)` (keep the first `length`); transformers 5.24's crop takes minus the tokens to drop."""
+  cache.crop(min(length - cache.get_seq_length(), 0))
+
+
+def dflash_reference(mod, draft, target, prompt: list[int]) -> dict[str, np.ndarray]:
+  """DFLASH_STEPS blocks of z-lab's `dflash_generate` (greedy), recording what each block drafted.
+
+  Per step: the block's start (the last token's position), its normed draft
+  output [B, H], the target-head logits of rows 1.. [B - 1, V], the drafts, the
+  target's posterior and how many drafts it accepted.
+  """
+  n = len(prompt)
+  ids = torch.tensor([prompt])
+  out_ids = torch.full((1, n + 64), DFLASH_MASK, dtype=torch.long)
+  position_ids = torch.arange(out_ids.shape[1])[None]
+  cache_t, cache_d = transformers.DynamicCache(), transformers.DynamicCache()
+  rec = {k: [] for k in ('start', 'hidden', 'logits', 'drafts', 'posterior', 'accepted', 'margins')}
+  with torch.inference_mode():
+    output = target(
+        ids, position_ids=position_ids[:, :n], past_key_values=cache_t, use_cache=True, output_hidden_states=True
+    )
+    out_ids[:, :n] = ids
+    out_ids[:, n] = output.logits[0, -1].argmax()
+    target_hidden = mod.extract_context_feature(output.hidden_states, draft.target_layer_ids)
+    rec['taps'] = target_hidden[0]
+    start = n
+    for _ in range(DFLASH_STEPS):
+      block = out_ids[:, start : start + DFLASH_BLOCK].clone()
+      hidden = draft(
+          target_hidden=target_hidden,
+          noise_embedding=target.model.embed_tokens(block),
+          position_ids=position_ids[:, cache_d.get_seq_length() : start + DFLASH_BLOCK],
+          past_key_values=cache_d,
+          use_cache=True,
+          is_causal=False,
+      )
+      logits = target.lm_head(hidden[:, 1 - DFLASH_BLOCK :, :])
+      crop_to(cache_d, start)
+      block[:, 1:] = logits.argmax(-1)
+      output = target(
+          block,
+          position_ids=position_ids[:, start : start + DFLASH_BLOCK],
+          past_key_values=cache_t,
+          use_cache=True,
+          output_hidden_states=True,
+      )
+      posterior = output.logits.argmax(-1)
+      accepted = int((block[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum(dim=1)[0])
+      top2 = torch.topk(logits[0], 2, dim=-1).values
+      for key, value in (
+          ('start', start),
+          ('hidden', hidden[0]),
+          ('logits', logits[0]),
+          ('drafts', block[0, 1:]),
+          ('posterior', posterior[0]),
+          ('accepted', accepted),
+          ('margins', float((top2[:, 0] - top2[:, 1]).min())),
+      ):
+        rec[key].append(value)
+      out_ids[:, start : start + accepted + 1] = block[:, : accepted + 1]
+      out_ids[:, start + accepted + 1] = posterior[:, accepted]
+      start += accepted + 1
+      crop_to(cache_t, start)
+      target_hidden = mod.extract_context_feature(output.hidden_states, draft.target_layer_ids)[:, : accepted + 1]
+  out = {
+      k: (torch.stack(v) if isinstance(v[0], torch.Tensor) else torch.tensor(v)) if isinstance(v, list) else v
+      for k, v in rec.items()
+  }
+  out['sequence'] = out_ids[0, : start + 1]
+  return {k: np.asarray(v.numpy()) for k, v in out.items()}
+
+
+def make_dflash(dflash_repo: str):
+  """Writes tiny_dflash/ and tiny_dflash_reference.npz."""
+  target_dir = FIXTURES / DFLASH_TARGET
+  target = load_reference(target_dir)
+  target_config = json.loads((target_dir / 'config.json').read_text())
+  prompts = np.load(FIXTURES / f'{DFLASH_TARGET}_reference.npz')
+  sequences = [prompts['input_ids'][r, : int(prompts['input_lens'][r])].tolist() for r in DFLASH_PROMPT_ROWS]
+  hf = dflash_config_dict(target_config)
+  config = transformers.Qwen3Config(**{k: v for k, v in hf.items() if k != 'architectures'})
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  with dflash_upstream(dflash_repo) as mod:
+    torch.manual_seed(DFLASH_SEED)
+    draft = mod.DFlashDraftModel(config).eval()
+    assert draft.target_layer_ids == list(DFLASH_TAPS) and draft.mask_token_id == DFLASH_MASK
+    tensors = init_dflash(draft, torch.Generator().manual_seed(DFLASH_SEED))
+    rows = [dflash_reference(mod, draft, target, ids) for ids in sequences]
+    save_eagle3_dir(FIXTURES / 'tiny_dflash', hf, tensors)
+    fresh = mod.DFlashDraftModel(config).eval()
+    loaded = safetensors.torch.load_file(FIXTURES / 'tiny_dflash' / 'model.safetensors')
+    fresh.load_state_dict({k: v.float() for k, v in loaded.items()}, strict=True)
+    again = dflash_reference(mod, fresh, target, sequences[0])
+    assert all(np.array_equal(again[k], rows[0][k]) for k in rows[0]), 'reload changed the results'
+  for r in rows:  # Distinct drafts and no near-ties, so another implementation's f32 rounding keeps the same ids.
+    assert len(set(r['drafts'].ravel().tolist())) >= 3 and r['margins'].min() > 0.05, (r['drafts'], r['margins'])
+  arrays = {
+      'input_ids': pad_rows([np.array(s, np.int32) for s in sequences], -1),
+      'input_lens': np.array([len(s) for s in sequences], np.int32),
+      'tap_layers': np.array(DFLASH_TAPS, np.int32),
+  }
+  for key in rows[0]:
+    arrays[key] = pad_rows([r[key] for r in rows], -1 if key == 'sequence' else 0)
+  for key, value in list(arrays.items()):
+    if value.dtype == np.int64:
+      arrays[key] = value.astype(np.int32)
+    elif value.dtype == np.float64:
+      arrays[key] = value.astype(np.float32)
+  npz = FIXTURES / 'tiny_dflash_reference.npz'
+  np.savez_compressed(npz, **arrays)
+  size = sum(f.stat().st_size for f in (FIXTURES / 'tiny_dflash').iterdir())
+  print(
+      f'dflash: prompts {arrays["input_lens"].tolist()}, drafts {arrays["drafts"].tolist()}, accepted'
+      f' {arrays["accepted"].tolist()}, min margin {arrays["margins"].min():.3f}; checkpoint {size:,d} B,'
+      f' npz {npz.stat().st_size:,d} B'
+  )
+
+
 def package_version(name: str) -> str:
   return importlib.metadata.version(name)
 
@@ -2132,11 +2343,18 @@ def make_gemma3_270m():
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m', 'real_tokenizers', 'eagle3'))
+  parser.add_argument(
+      '--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m', 'real_tokenizers', 'eagle3', 'dflash')
+  )
   parser.add_argument(
       '--eagle-repo',
       default=os.environ.get('EAGLE_REPO', '/work/.mirror/SafeAILab+EAGLE/repo'),
       help=f'a git clone of SafeAILab/EAGLE holding commit {EAGLE_COMMIT} (for eagle3)',
+  )
+  parser.add_argument(
+      '--dflash-repo',
+      default=os.environ.get('DFLASH_REPO', '/work/.mirror/z-lab+dflash/repo'),
+      help=f'a git clone of z-lab/dflash holding commit {DFLASH_COMMIT} (for dflash)',
   )
   args = parser.parse_args()
   torch.use_deterministic_algorithms(True)
@@ -2158,6 +2376,8 @@ def main():
     make_real_tokenizers()
   if args.only in (None, 'eagle3'):
     make_eagle3(args.eagle_repo)
+  if args.only in (None, 'dflash'):
+    make_dflash(args.dflash_repo)
   for path in sorted(FIXTURES.rglob('*')):
     if path.is_file():
       print(f'{path.stat().st_size:>9,d}  {path.relative_to(ROOT)}')

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from specjax.drafters import draft_model, eagle3, layer_skip, mtp, ngram
+from specjax.drafters import dflash, draft_model, eagle3, layer_skip, mtp, ngram
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.drafters.dflash import DFlashDrafter
 from specjax.drafters.draft_model import DraftModelDrafter, check_compatible
 from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
@@ -17,11 +18,13 @@ register(draft_model.FAMILY)
 register(layer_skip.FAMILY)
 register(mtp.FAMILY)
 register(eagle3.FAMILY)
+register(dflash.FAMILY)
 
 __all__ = [
     'BatchPlan',
     'DraftContext',
     'Drafter',
+    'DFlashDrafter',
     'DrafterFamily',
     'DraftModelDrafter',
     'Eagle3Drafter',

@@ -11,6 +11,8 @@ touches its own file and one registration line (`specjax/drafters/__init__.py`).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any, Callable
 
 from specjax.errors import SpecjaxError
@@ -28,10 +30,38 @@ def checkpoint_option() -> Any:
       '--draft-model',
       '--mtp-model',
       type=str,
-      help='the drafter checkpoint: a draft model (draft-model; same forms as -m), an EAGLE-3 head (eagle3) or a '
-      'trained MTP head (mtp; the export/ of specjax train), '
-      'as a path or hub id (a loaded object in Python); --mtp-model is the mistral.rs spelling',
+      help='the drafter checkpoint: a draft model (draft-model; same forms as -m), an EAGLE-3 head (eagle3), a '
+      'DFlash draft (dflash) or a trained MTP head (mtp; the export/ of specjax train), '
+      'as a path or hub id (a loaded object in Python); --mtp-model is the mistral.rs spelling; without '
+      '--drafter, a local EAGLE-3 or DFlash checkpoint selects its family from config.json architectures',
   )
+
+
+# A checkpoint's `architectures` -> the family that reads it (mistral.rs picks DFlash from --mtp-model so).
+ARCHITECTURE_FAMILIES = {
+    'DFlashDraftModel': 'dflash',
+    'LlamaForCausalLMEagle3': 'eagle3',
+    'Eagle3LlamaForCausalLM': 'eagle3',
+    'Eagle3Speculator': 'eagle3',
+}
+
+
+def local_config(path: Any) -> dict | None:
+  """config.json of a local checkpoint directory, or None (not a directory, unreadable; hub ids are not fetched)."""
+  if not isinstance(path, (str, os.PathLike)):
+    return None
+  try:
+    with open(os.path.join(os.path.expanduser(path), 'config.json'), encoding='utf-8') as f:
+      hf = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return hf if isinstance(hf, dict) else None
+
+
+def checkpoint_family(path: Any) -> str | None:
+  """The family a local checkpoint's `architectures` name (`ARCHITECTURE_FAMILIES`), or None."""
+  archs = (local_config(path) or {}).get('architectures') or []
+  return next((ARCHITECTURE_FAMILIES[a] for a in archs if a in ARCHITECTURE_FAMILIES), None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -191,7 +191,7 @@ class Engine:
         block_tables=layout.block_tables,
         state_shapes=self.model.state_shapes,
         dtype=self.model.dtype,
-        num_slots=max(1, self.lookahead),
+        num_slots=max(1, self.drafter.verify_width(self.max_draft) if self.drafter else 0),  # verified positions
     )
     buffer = np.zeros((batch, layout.capacity), np.int32)
     for i, p in enumerate(prompts):

@@ -221,6 +221,18 @@ class Attention(nnx.Module):
     gate = qkv[:, :, n + 2 * k :] if s.output_gate else None
     return s.rope(q, positions), s.rope(key, positions), value, gate
 
+  def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:  # x [B, T, D_in]
+    """Keys (normed, rotated) and values [B, T, K, H] only: DFlash's context rows have no queries."""
+    s = self.spec
+    b, t, _ = x.shape
+    n, k, h = s.num_heads, s.num_kv_heads, s.head_dim
+    w = self.qkv_proj[...][:, n * h : (n + 2 * k) * h]  # query | key | value (| gate): the key and value columns
+    kv = jnp.einsum('btd,de->bte', x, w).reshape(b, t, 2 * k, h)
+    key, value = kv[:, :, :k], kv[:, :, k:]
+    if s.qk_norm:
+      key = self.k_norm(key)
+    return s.rope(key, positions), value
+
   def output(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:
     """Attention output [B, T, N, H] (gated) through `o_proj` -> [B, T, D]."""
     b, t, n, h = out.shape

@@ -1,0 +1,244 @@
+"""DFlash draft checkpoints (z-lab / SpecForge layout): reading one against a target, and writing one.
+
+Layout: a directory (or hub id) with `config.json` (`architectures:
+["DFlashDraftModel"]`, the Qwen3 shape fields, `block_size`,
+`dflash_config.{mask_token_id, target_layer_ids}`, `num_target_layers`,
+optional `layer_types` / `sliding_window`) and safetensors `fc [H, n_taps * H]`,
+`hidden_norm`, `layers.{i}.*` (Qwen3 layers with q/k norms), `norm`. No
+embedding or head: the target's are used.
+
+Tap ids: upstream reads `hidden_states[id + 1]` (z-lab `extract_context_feature`,
+offset 1: index 0 is the embedding output), i.e. the output of layer `id`,
+0-based: specjax's tap convention as is. transformers' last `hidden_states`
+entry is final-normed, so ids must stay below L - 1 (defaults reach L - 3).
+Default ids (`build_target_layer_ids`): `round(1 + i * (L - 4) / (n - 1))` for the
+n draft layers, `[L // 2]` for one.
+
+DFlash 2 checkpoints (grouped convolutions, candidate selector) are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from flax import nnx
+
+from specjax.errors import SpecjaxError
+from specjax.loading import fill, resolve, resolve_dtype
+from specjax.loading.eagle3 import rope_to_hf
+from specjax.loading.hf import read_hf_config, read_safetensors, safetensors_files, safetensors_header
+from specjax.models import dflash
+from specjax.models.dflash import DFlashConfig, DFlashDraft
+from specjax.models.layers import ACTIVATIONS
+from specjax.models.llama import rope_from_hf
+
+ARCHITECTURE = 'DFlashDraftModel'
+# Names that only DFlash 2 has (sglang `DFlash2DraftModel`, `DFlashGroupedConv`, `CandidateSelector`).
+DFLASH2_MARKERS = ('kernel_projection', 'base_kernel', 'codebook', 'hidden_projection', 'selector')
+
+
+@dataclasses.dataclass
+class DFlashCheckpoint:
+  config: DFlashConfig
+  graphdef: nnx.GraphDef
+  params: nnx.State
+  source: str
+
+  def module(self) -> DFlashDraft:
+    return nnx.merge(self.graphdef, self.params)
+
+
+def default_taps(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+  """z-lab / SpecForge `build_target_layer_ids`: evenly spaced from layer 1 to L - 3 (one draft layer: L // 2)."""
+  if num_draft_layers == 1:
+    return (num_target_layers // 2,)
+  span = num_target_layers - 4
+  return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def is_dflash(hf: dict) -> bool:
+  return ARCHITECTURE in (hf.get('architectures') or []) or 'dflash_config' in hf
+
+
+def _refuse_dflash2(hf: dict, names: list[str], where: str) -> None:
+  archs = [a for a in hf.get('architectures') or [] if 'dflash2' in a.lower()]
+  keys = [k for k in (hf.get('dflash_config') or {}) if any(m in k for m in DFLASH2_MARKERS + ('conv',))]
+  tensors = [n for n in names if any(m in n for m in DFLASH2_MARKERS)]
+  if archs or keys or tensors or 'output_multiplier' in hf:
+    what = archs or keys or tensors[:3] or ['output_multiplier']
+    raise SpecjaxError(f'{where}: DFlash 2 checkpoints are not supported yet ({", ".join(what)})')
+
+
+def config_from_hf(hf: dict, target_config: Any, where: str) -> DFlashConfig:
+  """The draft's config, checked against the target's (`Model.config`): hidden size, vocab, layers, taps, mask id."""
+  if not is_dflash(hf):
+    raise SpecjaxError(
+        f'{where}: not a DFlash draft: architectures {hf.get("architectures")} (expected {ARCHITECTURE})'
+    )
+  try:
+    dcfg = hf.get('dflash_config') or {}
+    for key in ('projector_type', 'pure_draft_prefix_len', 'shift_label'):
+      if dcfg.get(key):
+        raise SpecjaxError(f'{where}: dflash_config.{key}={dcfg[key]!r} is not supported (plain DFlash only)')
+    for flag in ('attention_bias', 'mlp_bias'):
+      if hf.get(flag):
+        raise SpecjaxError(f'{where}: {flag}=true is not supported')
+    act = hf.get('hidden_act', 'silu')
+    if act not in ACTIVATIONS:
+      raise SpecjaxError(f'{where}: unsupported activation {act!r}')
+    hidden, heads, layers = int(hf['hidden_size']), int(hf['num_attention_heads']), int(hf['num_hidden_layers'])
+    vocab, block = int(hf['vocab_size']), int(hf['block_size'])
+    target_layers = int(hf.get('num_target_layers') or target_config.num_layers)
+    types = hf.get('layer_types') or ['full_attention'] * layers
+    if len(types) != layers or set(types) - {'full_attention', 'sliding_attention'}:
+      raise SpecjaxError(
+          f'{where}: layer_types {types} must name full_attention / sliding_attention for {layers} layers'
+      )
+    window = hf.get('sliding_window')
+    if 'sliding_attention' in types and not (isinstance(window, int) and window > 0):
+      raise SpecjaxError(f'{where}: sliding_attention layers need a positive sliding_window, got {window!r}')
+    mask = dcfg.get('mask_token_id', hf.get('mask_token_id'))
+    ids = dcfg.get('target_layer_ids', hf.get('target_layer_ids'))
+    cfg = DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=int(hf['intermediate_size']),
+        num_heads=heads,
+        num_kv_heads=int(hf.get('num_key_value_heads') or heads),
+        head_dim=int(hf.get('head_dim') or hidden // heads),
+        norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
+        rope=rope_from_hf(hf, where),
+        num_layers=layers,
+        block_size=block,
+        mask_token_id=-1 if mask is None else int(mask),
+        taps=default_taps(target_layers, layers) if ids is None else tuple(int(i) for i in ids),
+        num_target_layers=target_layers,
+        vocab_size=vocab,
+        windows=tuple(window if t == 'sliding_attention' else None for t in types),
+        max_position_embeddings=int(hf.get('max_position_embeddings') or 40960),
+        activation=act,
+    )
+  except KeyError as e:
+    raise SpecjaxError(f'{where}: missing key {e.args[0]!r}') from None
+  except (TypeError, ValueError) as e:
+    raise SpecjaxError(f'{where}: bad value in the config: {e}') from None
+  _check(cfg, target_config, ids is None, where)
+  return cfg
+
+
+def _check(cfg: DFlashConfig, t: Any, default_ids: bool, where: str) -> None:
+  if cfg.num_heads % cfg.num_kv_heads:
+    raise SpecjaxError(
+        f'{where}: num_attention_heads ({cfg.num_heads}) is not a multiple of num_key_value_heads ({cfg.num_kv_heads})'
+    )
+  if cfg.block_size < 2:
+    raise SpecjaxError(f'{where}: block_size {cfg.block_size} drafts nothing (it must be at least 2)')
+  if cfg.hidden_size != t.hidden_size:
+    raise SpecjaxError(f"{where}: hidden size {cfg.hidden_size} != the target's {t.hidden_size}")
+  if cfg.vocab_size != t.vocab_size:
+    raise SpecjaxError(f"{where}: vocab_size {cfg.vocab_size} != the target's vocabulary ({t.vocab_size})")
+  if cfg.num_target_layers != t.num_layers:
+    raise SpecjaxError(
+        f"{where}: num_target_layers {cfg.num_target_layers} != the target's {t.num_layers} layers "
+        '(the draft was trained on another target)'
+    )
+  if not all(0 <= i < t.num_layers - 1 for i in cfg.taps):
+    origin = 'the default target_layer_ids' if default_ids else 'dflash_config.target_layer_ids'
+    raise SpecjaxError(
+        f'{where}: {origin} {list(cfg.taps)} (outputs of layers, 0-based) must be in 0..{t.num_layers - 2} for the '
+        f"target's {t.num_layers} layers"
+    )
+  if not 0 <= cfg.mask_token_id < t.vocab_size:
+    raise SpecjaxError(
+        f'{where}: dflash_config.mask_token_id {cfg.mask_token_id if cfg.mask_token_id >= 0 else None} must be a '
+        f'token id inside the vocabulary (0..{t.vocab_size - 1})'
+    )
+
+
+def read_config(path_or_hub_id: str) -> tuple[str, dict]:
+  """(directory, config.json) of a DFlash checkpoint, without reading weights."""
+  path = resolve(path_or_hub_id)
+  if not os.path.isdir(path):
+    raise SpecjaxError(f'{path} is not a directory (a DFlash draft is config.json + safetensors)')
+  return path, read_hf_config(path)
+
+
+def load_dflash(
+    path_or_hub_id: str, target: Any, *, dtype: str | None = None, attention_impl: str = 'auto'
+) -> DFlashCheckpoint:
+  """Reads a DFlash draft for `target` (a loaded `Model`); every mismatch is one `SpecjaxError` before weights."""
+  dt = resolve_dtype(dtype) if dtype is not None or target.dtype is None else target.dtype
+  path, hf = read_config(path_or_hub_id)
+  where = os.path.abspath(path)
+  headers = {}
+  for f in safetensors_files(path):
+    headers.update(safetensors_header(f))  # truncated or corrupt files fail here
+  _refuse_dflash2(hf, list(headers), where)
+  cfg = config_from_hf(hf, target.config, where)
+  shapes = {n: tuple(h['shape']) for n, h in headers.items()}
+  want = dflash.hf_shapes(cfg)
+  missing = [n for n in want if n not in shapes]
+  if missing:
+    raise SpecjaxError(f'{where}: missing tensors {missing[:6]}{" ..." if len(missing) > 6 else ""}')
+  for n, shape in want.items():
+    if shapes[n] != shape:
+      raise SpecjaxError(f'{where}: tensor {n!r} has shape {list(shapes[n])}, the config implies {list(shape)}')
+  extra = sorted(set(shapes) - set(want))
+  if extra:
+    raise SpecjaxError(f'{where}: {len(extra)} unexpected tensors, e.g. {extra[:5]}')
+  tensors = read_safetensors(safetensors_files(path))
+  abstract = nnx.eval_shape(lambda: DFlashDraft(cfg, attention_impl=attention_impl, dtype=dt))
+  graphdef, params = fill(abstract, dflash.params_from_hf(cfg, tensors), dt, where)
+  return DFlashCheckpoint(cfg, graphdef, params, where)
+
+
+def config_to_hf(cfg: DFlashConfig, dtype: str) -> dict[str, Any]:
+  """config.json in the z-lab / SpecForge layout."""
+  sliding = [w for w in cfg.windows if w is not None]
+  return {
+      'architectures': [ARCHITECTURE],
+      'model_type': 'qwen3',
+      'block_size': cfg.block_size,
+      'dflash_config': {'mask_token_id': cfg.mask_token_id, 'target_layer_ids': list(cfg.taps)},
+      'num_target_layers': cfg.num_target_layers,
+      'hidden_size': cfg.hidden_size,
+      'intermediate_size': cfg.intermediate_size,
+      'num_hidden_layers': cfg.num_layers,
+      'num_attention_heads': cfg.num_heads,
+      'num_key_value_heads': cfg.num_kv_heads,
+      'head_dim': cfg.head_dim,
+      'hidden_act': cfg.activation,
+      'rms_norm_eps': cfg.norm_eps,
+      **rope_to_hf(cfg.rope),
+      'max_position_embeddings': cfg.max_position_embeddings,
+      'vocab_size': cfg.vocab_size,
+      'layer_types': ['full_attention' if w is None else 'sliding_attention' for w in cfg.windows],
+      'use_sliding_window': bool(sliding),
+      'sliding_window': sliding[0] if sliding else None,
+      'max_window_layers': cfg.num_layers,
+      'attention_bias': False,
+      'attention_dropout': 0.0,
+      'tie_word_embeddings': False,
+      'torch_dtype': dtype,
+      'use_cache': True,
+  }
+
+
+def save_dflash(directory: str, config: DFlashConfig, params: Any) -> None:
+  """Writes config.json + model.safetensors (z-lab / SpecForge layout) in the params' dtype."""
+  from safetensors.numpy import save_file
+
+  if len({w for w in config.windows if w is not None}) > 1:
+    raise SpecjaxError('cannot export sliding layers with different windows (one sliding_window in the config)')
+  pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+  tensors = dflash.params_to_hf(config, pure)
+  hf = config_to_hf(config, str(tensors['fc.weight'].dtype))
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise SpecjaxError(f'{directory} exists and is not a directory')
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump(hf, f, indent=2)
+    f.write('\n')
+  save_file(tensors, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
