@@ -201,6 +201,7 @@ def test_data_parallel_matches_one_device(data, tmp_path):
   proc = subprocess.run(
       [sys.executable, '-c', script, json.dumps(cfg), str(tmp_path / 'dp'), npz],
       env=env,
+      cwd=root,  # not the caller's working directory, which a test may have left in a removed temp folder
       capture_output=True,
       text=True,
   )

@@ -117,7 +117,7 @@ def test_node_distributions_remove_earlier_siblings():
   root_q = jnp.asarray([[[0.1, 0.2, 0.3, 0.4]]])  # [B, 1, V]
   lv1 = level([3, 2], [np.log(0.4), np.log(0.3)], [0, 0])
   tree = tree_search.select([lv1], 2)
-  q = np.asarray(tree_search.node_distributions(tree, [lv1], [root_q], topk))[0]
+  q = np.asarray(tree_search.node_distributions(tree, [lv1], [root_q], 2))[0]
   np.testing.assert_allclose(q[0], [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
   np.testing.assert_allclose(q[1], np.array([0.1, 0.2, 0.3, 0.0]) / 0.6, rtol=1e-6)
 
