@@ -33,7 +33,7 @@ from specjax.loading.hf import read_hf_config, read_safetensors, safetensors_fil
 from specjax.models import dflash
 from specjax.models.dflash import DFlashConfig, DFlashDraft
 from specjax.models.layers import ACTIVATIONS
-from specjax.models.llama import rope_from_hf
+from specjax.models.llama import attention_fields
 
 ARCHITECTURE = 'DFlashDraftModel'
 # Names that only DFlash 2 has (sglang `DFlash2DraftModel`, `DFlashGroupedConv`, `CandidateSelector`).
@@ -89,7 +89,7 @@ def config_from_hf(hf: dict, target_config: Any, where: str) -> DFlashConfig:
     act = hf.get('hidden_act', 'silu')
     if act not in ACTIVATIONS:
       raise SpecjaxError(f'{where}: unsupported activation {act!r}')
-    hidden, heads, layers = int(hf['hidden_size']), int(hf['num_attention_heads']), int(hf['num_hidden_layers'])
+    layers = int(hf['num_hidden_layers'])
     vocab, block = int(hf['vocab_size']), int(hf['block_size'])
     target_layers = int(hf.get('num_target_layers') or target_config.num_layers)
     types = hf.get('layer_types') or ['full_attention'] * layers
@@ -103,13 +103,7 @@ def config_from_hf(hf: dict, target_config: Any, where: str) -> DFlashConfig:
     mask = dcfg.get('mask_token_id', hf.get('mask_token_id'))
     ids = dcfg.get('target_layer_ids', hf.get('target_layer_ids'))
     cfg = DFlashConfig(
-        hidden_size=hidden,
-        intermediate_size=int(hf['intermediate_size']),
-        num_heads=heads,
-        num_kv_heads=int(hf.get('num_key_value_heads') or heads),
-        head_dim=int(hf.get('head_dim') or hidden // heads),
-        norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
-        rope=rope_from_hf(hf, where),
+        **attention_fields(hf, where),
         num_layers=layers,
         block_size=block,
         mask_token_id=-1 if mask is None else int(mask),

@@ -40,7 +40,7 @@ from specjax.loading.hf import read_hf_config, read_safetensors, safetensors_fil
 from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.layers import ACTIVATIONS, Rope
-from specjax.models.llama import rope_from_hf
+from specjax.models.llama import attention_fields
 
 LAYOUT1_ARCHITECTURES = ('LlamaForCausalLMEagle3', 'Eagle3LlamaForCausalLM')
 SPECULATORS_ARCHITECTURE = 'Eagle3Speculator'
@@ -134,16 +134,10 @@ def config_from_hf(hf: dict, num_layers: int, where: str) -> tuple[Eagle3Config,
       raise SpecjaxError(f'{where}: unsupported activation {act!r}')
     if int(layer.get('num_hidden_layers', 1)) != 1:
       raise SpecjaxError(f'{where}: num_hidden_layers={layer["num_hidden_layers"]}; specjax runs one-layer heads')
-    hidden, heads = int(layer['hidden_size']), int(layer['num_attention_heads'])
+    hidden = int(layer['hidden_size'])
     vocab = int(layer['vocab_size'])
     cfg = Eagle3Config(
-        hidden_size=hidden,
-        intermediate_size=int(layer['intermediate_size']),
-        num_heads=heads,
-        num_kv_heads=int(layer.get('num_key_value_heads') or heads),
-        head_dim=int(layer.get('head_dim') or hidden // heads),
-        norm_eps=float(layer.get('rms_norm_eps', 1e-6)),
-        rope=rope_from_hf(layer, where),
+        **attention_fields(layer, where),
         vocab_size=vocab,
         draft_vocab_size=int(top.get('draft_vocab_size') or vocab),
         target_hidden_size=int(top.get('target_hidden_size') or hidden),

@@ -127,6 +127,20 @@ class LlamaConfig:
     )
 
 
+def attention_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+  """The Llama-shape fields of an HF config (drafter heads' configs use these names)."""
+  hidden, heads = int(hf['hidden_size']), int(hf['num_attention_heads'])
+  return {
+      'hidden_size': hidden,
+      'intermediate_size': int(hf['intermediate_size']),
+      'num_heads': heads,
+      'num_kv_heads': int(hf.get('num_key_value_heads') or heads),
+      'head_dim': int(hf.get('head_dim') or hidden // heads),
+      'norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
+      'rope': rope_from_hf(hf, where),
+  }
+
+
 def rope_from_hf(hf: dict[str, Any], where: str) -> Rope:
   """RoPE from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
   params = dict(hf.get('rope_scaling') or {})
