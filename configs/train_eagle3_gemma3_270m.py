@@ -35,6 +35,7 @@ def get_config():
   config.train.clip = 0.5
   config.train.ttt_steps = 6
   config.train.save_every = 25
+  config.train.cache_target = True  # ~2 GB of features under OUT/target_features; each step then skips the target
   config.eval.every = 50
   config.eval.limit = 32
   return config

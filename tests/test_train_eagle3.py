@@ -2,6 +2,7 @@
 round trip (skipped until the EAGLE-3 head module exists)."""
 
 import importlib.util
+import json
 import os
 
 import jax
@@ -91,3 +92,57 @@ def test_eagle3_trains_and_exports(tmp_path):
   assert same(jax.device_get(ckpt.params), jax.device_get(report['params']))
   assert ckpt.d2t.shape == (128,) and ckpt.t2d.sum() == 128
   assert ckpt.config.taps == (1, 2, 2)  # layers 1, L/2 - 1, L - 4 of the 6-layer target
+
+
+@needs_head
+def test_cached_target_features_train_the_same(tmp_path):
+  """`train.cache_target`: the target runs once per row; the steps then match the in-step target's."""
+  from specjax.train import run_training
+
+  data = make_data(tmp_path / 'd.jsonl')
+  cfg = eagle3_config(data, steps=3, ttt_steps=2)
+  plain = run_training(cfg, str(tmp_path / 'plain'), progress=False)
+  cached_out = str(tmp_path / 'cached')
+  cached = run_training({**cfg, 'train': {**cfg['train'], 'cache_target': True}}, cached_out, progress=False)
+  close = jax.tree.map(lambda x, y: np.allclose(x, y, rtol=1e-4, atol=1e-5), plain['params'], cached['params'])
+  assert all(jax.tree.leaves(close))
+  lines = [r for r in train_lines(cached_out) if r['type'] == 'train']
+  plain_lines = [r for r in train_lines(str(tmp_path / 'plain')) if r['type'] == 'train']
+  np.testing.assert_allclose(lines[-1]['agree'], plain_lines[-1]['agree'], atol=1e-6)
+  features = os.path.join(cached_out, 'target_features', 'train')
+  with open(os.path.join(features, 'meta.json')) as f:
+    meta = json.load(f)
+  hidden = np.load(os.path.join(features, 'hidden.npy'), mmap_mode='r')
+  assert meta['done'] == meta['rows'] == hidden.shape[0] and meta['taps'] == [1, 2, 2]
+  stamp = os.path.getmtime(os.path.join(features, 'hidden.npy'))
+  run_training({**cfg, 'train': {**cfg['train'], 'cache_target': True}}, cached_out, progress=False)
+  assert os.path.getmtime(os.path.join(features, 'hidden.npy')) == stamp  # a rerun reads them back
+
+
+def test_target_features_resume_and_refresh(tmp_path):
+  """An interrupted feature pass resumes at its last written row; other rows (data changed) start over."""
+  import specjax
+  from specjax.train.data import Packed
+  from specjax.train.features import target_features
+
+  target = specjax.load(TINY)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(3, 100, (5, 16)).astype(np.int32)
+  rows = Packed(tokens, np.tile(np.arange(16, dtype=np.int32), (5, 1)), np.ones_like(tokens), np.ones((5, 16), bool))
+  path = str(tmp_path / 'f')
+  full = target_features(path, target, rows, (1, 2), batch_size=2, progress=False)
+  want = {k: np.array(v) for k, v in full.take(np.arange(5)).items()}
+  assert want['target_taps'].shape == (5, 16, 2 * target.config.hidden_size)
+  with open(os.path.join(path, 'meta.json')) as f:
+    meta = json.load(f)
+  with open(os.path.join(path, 'meta.json'), 'w') as f:
+    json.dump({**meta, 'done': 3}, f)
+  mm = np.load(os.path.join(path, 'hidden.npy'), mmap_mode='r+')
+  mm[3:] = 0  # rows 3.. lost to a kill
+  mm.flush()
+  again = target_features(path, target, rows, (1, 2), batch_size=2, progress=False)
+  for k, v in again.take(np.arange(5)).items():
+    np.testing.assert_array_equal(v, want[k])
+  other = Packed(tokens[::-1].copy(), rows.positions, rows.segments, rows.loss_mask)
+  flipped = target_features(path, target, other, (1, 2), batch_size=2, progress=False)
+  np.testing.assert_allclose(flipped.take([0])['target_hidden'], want['target_hidden'][4:5], atol=1e-5)

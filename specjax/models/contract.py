@@ -3,7 +3,7 @@
   embed(tokens [B, T])                              -> [B, T, D]
   lookup(tokens [B, T])                             -> [B, T, D] raw table rows (no embedding scale)
   forward(tokens, inputs, cache | None, taps=())    -> (hidden [B, T, D], cache, taps)
-  logits(hidden [..., D])                           -> [..., V]
+  logits(hidden [..., D], ids=None)                 -> [..., V] (or [..., V'] at vocabulary ids [V'])
   cache_layout()                                    -> CacheLayout
 
 `StepInputs` says where each new token sits: its RoPE / mask position, which
@@ -101,7 +101,7 @@ class CausalLM(Protocol):
   ) -> tuple[jax.Array, KVCache | None, tuple[jax.Array, ...]]:
     ...
 
-  def logits(self, hidden: jax.Array) -> jax.Array:
+  def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:
     ...
 
   def cache_layout(self) -> CacheLayout:

@@ -351,10 +351,13 @@ class Qwen35(ChainAppend, nnx.Module):
       )
     return self.norm(x), cache, tuple(tapped[i] for i in taps)
 
-  def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
+  def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:  # [..., D] -> [..., V]
+    """Final logits; with `ids` [V'] only those vocabulary columns ([..., V']: a training draft vocabulary)."""
     if self.cfg.tie_word_embeddings:
-      return jnp.einsum('...d,vd->...v', hidden, self.embed_tokens[...])
-    return jnp.einsum('...d,dv->...v', hidden, self.lm_head[...])
+      table = self.embed_tokens[...] if ids is None else jnp.take(self.embed_tokens[...], ids, axis=0)
+      return jnp.einsum('...d,vd->...v', hidden, table)
+    head = self.lm_head[...] if ids is None else jnp.take(self.lm_head[...], ids, axis=1)
+    return jnp.einsum('...d,dv->...v', hidden, head)
 
 
 # ---------------------------------------------------------------- checkpoint mapping

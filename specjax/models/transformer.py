@@ -114,8 +114,11 @@ class DecoderLM(ChainAppend, nnx.Module):
       cache = dataclasses.replace(cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens)
     return self.norm(x), cache, tuple(tapped[i] for i in taps)
 
-  def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
+  def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:  # [..., D] -> [..., V]
+    """Final logits; with `ids` [V'] only those vocabulary columns ([..., V']: a training draft vocabulary)."""
     head = self.embed_tokens[...] if self.spec.tie_embeddings else self.lm_head[...]
+    if ids is not None:
+      head = jnp.take(head, ids, axis=1)
     logits = jnp.einsum('...d,dv->...v', hidden, head)
     cap = self.spec.final_softcap
     if cap:

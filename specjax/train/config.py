@@ -67,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
               'log_every': 10,
               'save_every': 100,
               'keep': 3,  # checkpoints kept
+              'cache_target': False,  # run the frozen target once per row, keep its features on disk (`features`)
           },
           'eval': {
               'prompts': None,  # jsonl (same record shapes); None: eval.limit training records are held out
@@ -131,7 +132,15 @@ class TrainConfig:
 
 
 # Keys that change how a run goes, not what it computes: changing them keeps the run resumable.
-_RUN_ONLY = {'name', 'train.log_every', 'train.save_every', 'train.keep', 'eval.every', 'data.cache_dir'}
+_RUN_ONLY = {
+    'name',
+    'train.log_every',
+    'train.save_every',
+    'train.keep',
+    'train.cache_target',
+    'eval.every',
+    'data.cache_dir',
+}
 
 
 def resolve(config, overrides: Iterable[str] | dict | None = None) -> TrainConfig:

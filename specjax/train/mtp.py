@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.errors import SpecjaxError
+from specjax.train.features import from_batch
 from specjax.train.losses import segment_mask, shift, soft_ce, target_features, ttt_attention
 from specjax.train.trainers import DrafterTrainer
 
@@ -54,7 +55,7 @@ class MTPTrainer(DrafterTrainer):
     return outs
 
   def loss(self, params, target, batch: dict, key) -> tuple[jax.Array, dict]:
-    hidden, _ = target_features(target, batch)
+    hidden, _ = from_batch(batch, 0) or target_features(target, batch)
     segments, loss_mask = batch['segments'], batch['loss_mask']
     total, metrics = 0.0, {'ce': [], 'agree': [], 'count': []}
     for i, h in enumerate(self.unroll(params, target, batch, hidden)):
