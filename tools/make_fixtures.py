@@ -4,7 +4,7 @@ Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
   /work/torchenv/bin/python tools/make_fixtures.py \
-      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3|dflash]
+      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3|dflash|gemma4_assistant]
       [--eagle-repo PATH]  (a SafeAILab/EAGLE clone, for eagle3)
       [--dflash-repo PATH]  (a z-lab/dflash clone, for dflash)
 
@@ -37,6 +37,13 @@ Outputs, under tests/fixtures/:
                                   z-lab's dflash/model.py (read from a clone).
   tiny_dflash_reference.npz       two greedy blocks per prompt as dflash_generate
                                   drafts them: block outputs, logits, drafts.
+  tiny_gemma4_for_assistant/      a random Gemma 4 text target (KV sharing, PLE).
+  tiny_gemma4_assistant{,_dense}/ random Gemma 4 assistants over it: centroid-masked
+                                  and dense heads.
+  tiny_gemma4_assistant_reference.npz
+                                  the target's donor K/V and hidden, and transformers'
+                                  SinglePositionMultiTokenCandidateGenerator's first
+                                  draft round after prefill.
 """
 
 import argparse
