@@ -191,7 +191,7 @@ class Gemma4AssistantConfig:
       raise SpecjaxError(f'{where}: missing key {e.args[0]!r}') from None
     except (TypeError, ValueError, AttributeError) as e:
       raise SpecjaxError(f'{where}: bad value in the config: {e}') from None
-    for kind in set(cfg.layer_types):
+    for kind in dict.fromkeys(cfg.layer_types):
       n_kv = cfg.kv_shape(kind)[0]
       if n_kv < 1 or cfg.num_heads % n_kv:
         raise SpecjaxError(f'{where}: num_attention_heads {cfg.num_heads} is not a multiple of {kind} kv heads {n_kv}')
