@@ -363,14 +363,14 @@ def test_bad_paths(tmp_path):
     load_gemma4_assistant(str(tmp_path / 'nope'))
   with pytest.raises(SpecjaxError, match='is not a directory'):
     load_gemma4_assistant(f'{CENTROID}/model.safetensors')
-  bad = dataclasses.replace(load_gemma4_assistant(CENTROID, dtype='float32').config)
-  state = nnx.to_pure_dict(nnx.state(Gemma4Assistant(bad)))
-  state['token_ordering'] = np.zeros(512, np.int32)
-  with pytest.raises(SpecjaxError, match='token_ordering is not a permutation'):
-    save_gemma4_assistant(str(tmp_path / 'out'), bad, state)
+  cfg = load_gemma4_assistant(CENTROID, dtype='float32').config
+  state = nnx.to_pure_dict(nnx.state(Gemma4Assistant(cfg)))
   (tmp_path / 'file').write_text('')
   with pytest.raises(SpecjaxError, match='exists and is not a directory'):
-    save_gemma4_assistant(str(tmp_path / 'file'), bad, nnx.state(Gemma4Assistant(bad)))
+    save_gemma4_assistant(str(tmp_path / 'file'), cfg, state)
+  state['token_ordering'] = np.zeros(512, np.int32)
+  with pytest.raises(SpecjaxError, match='token_ordering is not a permutation'):
+    save_gemma4_assistant(str(tmp_path / 'out'), cfg, state)
 
 
 # ---------------------------------------------------------------- against a target
