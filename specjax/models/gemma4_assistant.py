@@ -13,9 +13,12 @@ position p (the position of the pending token, = the committed length L):
         donor K/V, o_proj; Gemma sandwich norms, GeGLU MLP; x *= layer_scalar_i
   out = norm(x);  logits = head(out);  h_next = post_projection(out)
 
-`h` starts as the target's final-normed hidden at the last committed position
-(transformers' `hidden_states[-1]`, which equals `last_hidden_state`: checked
-numerically, tools/README.md) and is then the previous step's `h_next`.
+`h` starts as the target's hidden at the last committed position L - 1, AFTER
+the final norm (transformers' `hidden_states[-1]`, which the generator reads, is
+`norm(last layer's output)` exactly: tools/README.md §9), then is the previous
+step's `h_next`. transformers matches this definition in the first draft round
+after prefill; later rounds of its generator also show the assistant the keys of
+rejected drafts (tools/README.md §9).
 
 Masks: full layers see all L committed keys; sliding layers see the last
 `sliding_window + 1` of them (transformers flips a bidirectional window mask,
