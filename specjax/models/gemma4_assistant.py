@@ -34,9 +34,9 @@ ids `token_ordering[c * V/C : (c + 1) * V/C]`: `token_ordering` holds target
 X * V/C ids get `out . embed_tokens[id]`; every other id gets -inf here
 (transformers fills `min(candidates) - 1` instead: `hf_fill`).
 
-Einsum letters: B batch, T tokens, D assistant width, E target width, S keys,
-N query heads, K kv heads, G query heads per kv head, H head dim, V vocab,
-C centroids, M candidates.
+Einsum letters: B batch, T tokens, D assistant width, E target width, F = 2E
+(embedding and hidden side by side), S keys, N query heads, K kv heads, G query
+heads per kv head, H head dim, Q = N * H, V vocab, C centroids, M candidates.
 """
 
 from __future__ import annotations
@@ -311,10 +311,10 @@ class DonorAttention(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, kv: PagedKV | DenseKV) -> jax.Array:  # x [B, T, D]
     s = self.spec
     b, t, _ = x.shape
-    q = jnp.einsum('btd,de->bte', x, self.q_proj[...]).reshape(b, t, s.num_heads, s.head_dim)
+    q = jnp.einsum('btd,dq->btq', x, self.q_proj[...]).reshape(b, t, s.num_heads, s.head_dim)
     q = s.rope(self.q_norm(q), positions)
     out = donor_attention(q, kv, window=s.window, impl=self.impl)
-    return jnp.einsum('bte,ed->btd', out.reshape(b, t, -1).astype(x.dtype), self.o_proj[...])
+    return jnp.einsum('btq,qd->btd', out.reshape(b, t, -1).astype(x.dtype), self.o_proj[...])
 
 
 class Gemma4Assistant(nnx.Module):
@@ -369,7 +369,7 @@ class Gemma4Assistant(nnx.Module):
     that type, `lengths` [B] or [B, T] = L; never written) or a `DenseKV`.
     Queries see the committed keys only; `positions` is used for RoPE alone.
     """
-    x = jnp.einsum('bte,ed->btd', jnp.concatenate([embeds, hidden], axis=-1), self.pre_projection[...])
+    x = jnp.einsum('btf,fd->btd', jnp.concatenate([embeds, hidden], axis=-1), self.pre_projection[...])
     scalars = self.layer_scalar[...]
     for i, kind in enumerate(self.cfg.layer_types):
       if kind not in donors:
