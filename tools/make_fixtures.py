@@ -4,7 +4,7 @@ Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
   /work/torchenv/bin/python tools/make_fixtures.py \
-      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3|dflash]
+      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3|dflash|gemma4_assistant]
       [--eagle-repo PATH]  (a SafeAILab/EAGLE clone, for eagle3)
       [--dflash-repo PATH]  (a z-lab/dflash clone, for dflash)
 
@@ -37,6 +37,13 @@ Outputs, under tests/fixtures/:
                                   z-lab's dflash/model.py (read from a clone).
   tiny_dflash_reference.npz       two greedy blocks per prompt as dflash_generate
                                   drafts them: block outputs, logits, drafts.
+  tiny_gemma4_for_assistant/      a random Gemma 4 text target (KV sharing, PLE).
+  tiny_gemma4_assistant{,_dense}/ random Gemma 4 assistants over it: centroid-masked
+                                  and dense heads.
+  tiny_gemma4_assistant_reference.npz
+                                  the target's donor K/V and hidden, and transformers'
+                                  SinglePositionMultiTokenCandidateGenerator's first
+                                  draft round after prefill.
 """
 
 import argparse
@@ -1995,6 +2002,379 @@ def make_dflash(dflash_repo: str):
   )
 
 
+# ---------------------------------------------------------------- Gemma 4 assistant (--only gemma4_assistant)
+
+# A tiny random Gemma 4 target (transformers' Gemma4ForCausalLM: KV sharing, so both layer types have a donor;
+# both head dims; PLE; a window shorter than the prompts) lends its donor K/V and last hidden to two tiny random
+# Gemma 4 assistants, driven by transformers' SinglePositionMultiTokenCandidateGenerator right after prefill.
+G4A_SEED = 11
+G4A_WINDOW = 8
+G4A_PROMPT_LENS = (20, 13)  # Both longer than the sliding layers' W + 1 = 9 keys.
+G4A_TARGET = 'tiny_gemma4_for_assistant'
+G4A_TARGET_CONFIG = {
+    'vocab_size': VOCAB_SIZE,
+    'hidden_size': 48,
+    'intermediate_size': 64,
+    'num_hidden_layers': 5,
+    'num_attention_heads': 4,
+    'num_key_value_heads': 2,
+    'head_dim': 16,
+    'global_head_dim': 32,
+    'sliding_window': G4A_WINDOW,
+    'layer_types': [SLIDING, FULL, SLIDING, SLIDING, FULL],
+    'num_kv_shared_layers': 2,  # Layers 3 and 4 reuse K/V: the donors are layer 2 (sliding) and layer 1 (full).
+    'hidden_size_per_layer_input': 8,
+    'vocab_size_per_layer_input': VOCAB_SIZE,
+    'final_logit_softcapping': 30.0,
+    'max_position_embeddings': 512,
+    'rms_norm_eps': 1e-6,
+    'bos_token_id': BOS,
+    'eos_token_id': [EOS, END_OF_TURN],
+    'pad_token_id': PAD,
+}
+G4A_DONORS = {SLIDING: 2, FULL: 1}
+G4A_ASSISTANT_TEXT = {
+    'vocab_size': VOCAB_SIZE,
+    'hidden_size': 32,
+    'intermediate_size': 64,
+    'num_hidden_layers': 4,
+    'num_attention_heads': 4,
+    'num_key_value_heads': 2,
+    'head_dim': 16,
+    'global_head_dim': 32,
+    'sliding_window': G4A_WINDOW,
+    'layer_types': [SLIDING, SLIDING, SLIDING, FULL],
+    'num_kv_shared_layers': 4,
+    'hidden_size_per_layer_input': 0,
+    'vocab_size_per_layer_input': 0,
+    'max_position_embeddings': 512,
+    'rms_norm_eps': 1e-6,
+}
+# name -> (use_ordered_embeddings, num_assistant_tokens, hub-style config.json)
+G4A_ASSISTANTS = {
+    'centroid': (True, 4, True),
+    'dense': (False, 5, False),
+}
+G4A_CENTROIDS, G4A_TOP_K = 16, 4
+
+
+def g4a_hub_config(config, extra: dict | None = None) -> dict:
+  """A Gemma 4 text config as the Hub writes it: `global_head_dim`, no `per_layer_config`."""
+  out = config.to_diff_dict()
+  per_layer = out.pop('per_layer_config', None) or {}
+  dims = {o['head_dim'] for o in per_layer.values()}
+  assert len(dims) == 1 and all(set(o) == {'head_dim'} for o in per_layer.values()), per_layer
+  out['global_head_dim'] = dims.pop()
+  out.pop('transformers_version', None)
+  return {**out, **(extra or {})}
+
+
+def init_g4a(model, gen: torch.Generator, final_norm: float):
+  """Seeded weights and layer_scalar buffers, rounded to bfloat16 (the checkpoints store bfloat16)."""
+  with torch.no_grad():
+    for name, param in sorted(model.named_parameters()):
+      mean, std = 0.0, 0.15
+      if name == 'model.norm.weight':
+        mean, std = final_norm, 0.3
+      elif name.endswith('norm.weight'):
+        mean, std = 1.0, 0.3
+      elif 'embed_tokens' in name:
+        std = 0.5
+      param.copy_((mean + std * torch.randn(param.shape, generator=gen)).to(torch.bfloat16).float())
+    for name, buf in sorted(model.named_buffers()):
+      if name.endswith('layer_scalar'):
+        buf.copy_((1.0 + 0.2 * torch.randn(buf.shape, generator=gen)).to(torch.bfloat16).float())
+
+
+def save_g4a(model, out: pathlib.Path, config: dict | None = None, generation=None, tok=None):
+  """bfloat16 safetensors + config.json (given, or transformers' own) + generation_config.json (+ tokenizer)."""
+  if out.exists():
+    shutil.rmtree(out)
+  out.mkdir(parents=True)
+  model.to(torch.bfloat16).save_pretrained(out)
+  model.float()
+  if config is not None:
+    write_json(out / 'config.json', config)
+  if generation is not None:
+    generation.save_pretrained(out)
+  if tok is not None:
+    write_tokenizer(tok, out)
+  with safetensors.safe_open(out / 'model.safetensors', 'pt') as f:
+    for key in f.keys():
+      want = 'I64' if key.endswith('token_ordering') else 'BF16'
+      assert f.get_slice(key).get_dtype() == want, (key, f.get_slice(key).get_dtype())
+
+
+def g4a_target_states(target, prompt: list[int]) -> dict[str, np.ndarray]:
+  """Prefill `prompt` through the target: donor K/V per type, hidden_states[-1] (and the pre-norm residual)."""
+  rec = {}
+  hook = target.model.layers[-1].register_forward_hook(lambda m, i, o: rec.__setitem__('prenorm', o))
+  with torch.inference_mode():
+    out = target(torch.tensor([prompt]), output_hidden_states=True, return_shared_kv_states=True, use_cache=True)
+  hook.remove()
+  hidden = out.hidden_states[-1][0, -1]
+  prenorm = rec['prenorm'][0, -1]
+  with torch.inference_mode():
+    normed = target.model.norm(prenorm)
+  states = {
+      'out': out,
+      'first_token': int(out.logits[0, -1].argmax()),
+      'target_last_logits': out.logits[0, -1],
+      'target_hidden': hidden,
+      'target_hidden_prenorm': prenorm,
+      'hidden_vs_normed': float((hidden - normed).abs().max()),
+      'hidden_vs_prenorm': float((hidden - prenorm).abs().max()),
+  }
+  for kind in (SLIDING, FULL):
+    k, v = out.shared_kv_states[kind]  # [1, K, L, H]
+    assert k.shape[2] == len(prompt), (kind, k.shape)
+    states[f'k_{kind.split("_")[0]}'] = k[0].transpose(0, 1)  # [L, K, H]
+    states[f'v_{kind.split("_")[0]}'] = v[0].transpose(0, 1)
+  return states
+
+
+def g4a_draft(target, asst, states: dict, prompt: list[int]) -> dict[str, np.ndarray]:
+  """The generator's first draft round after prefill: per step inputs, output, logits, candidates, draft."""
+  from transformers.generation.candidate_generator import (  # pylint: disable=g-import-not-at-top
+      SinglePositionMultiTokenCandidateGenerator,
+  )
+
+  rec = {k: [] for k in ('embeds', 'hidden_in', 'out', 'next_hidden', 'logits', 'centroid_logits')}
+  e = target.config.hidden_size
+
+  def inputs(module, args, kwargs):
+    rec['embeds'].append(kwargs['inputs_embeds'][0, 0, :e].clone())
+    rec['hidden_in'].append(kwargs['inputs_embeds'][0, 0, e:].clone())
+
+  def outputs(module, args, output):
+    rec['next_hidden'].append(output.last_hidden_state[0, 0])
+    rec['logits'].append(output.logits[0, 0])
+
+  hooks = [
+      asst.register_forward_pre_hook(inputs, with_kwargs=True),
+      asst.register_forward_hook(outputs),
+      asst.model.norm.register_forward_hook(lambda m, i, o: rec['out'].append(o[0, 0])),
+  ]
+  if asst.masked_embedding is not None:
+    hooks.append(
+        asst.masked_embedding.centroids.register_forward_hook(lambda m, i, o: rec['centroid_logits'].append(o[0, 0]))
+    )
+  gen = SinglePositionMultiTokenCandidateGenerator(
+      asst, target.get_input_embeddings(), transformers.GenerationConfig(max_length=1000)
+  )
+  input_ids = torch.tensor([prompt + [states['first_token']]])
+  with torch.inference_mode():
+    cand_ids, cand_logits = gen.get_candidates(
+        input_ids,
+        model_kwargs={'attention_mask': torch.ones_like(input_ids)},
+        model_outputs=states['out'],
+        is_first_iteration=False,
+        n_last_matches=0,
+    )
+  for h in hooks:
+    h.remove()
+  k = asst.generation_config.num_assistant_tokens
+  drafts = cand_ids[0, len(prompt) + 1 :]
+  assert len(drafts) == k and cand_logits.shape == (1, k, VOCAB_SIZE), (drafts, cand_logits.shape)
+  logits = torch.stack(rec['logits'])
+  assert torch.equal(logits, cand_logits[0]) and torch.equal(drafts, logits.argmax(-1))
+  table = target.get_input_embeddings()
+  with torch.inference_mode():
+    want = table(torch.tensor([states['first_token']] + drafts[:-1].tolist()))
+  assert torch.equal(torch.stack(rec['embeds']), want), 'step inputs are not the target embedding of the tokens'
+  assert torch.equal(rec['hidden_in'][0], states['target_hidden'])
+  for i in range(1, k):
+    assert torch.equal(rec['hidden_in'][i], rec['next_hidden'][i - 1])
+  top2 = torch.topk(logits, 2, dim=-1).values
+  result = {
+      'drafts': drafts,
+      'logits': logits,
+      'margins': top2[:, 0] - top2[:, 1],
+      **{key: torch.stack(rec[key]) for key in ('embeds', 'hidden_in', 'out', 'next_hidden')},
+  }
+  if asst.masked_embedding is not None:
+    top = torch.topk(torch.stack(rec['centroid_logits']), G4A_TOP_K, dim=-1).indices  # [K, X]
+    blocks = asst.masked_embedding.token_ordering.view(G4A_CENTROIDS, -1)
+    candidates = torch.sort(blocks[top].reshape(k, -1), dim=-1).values  # [K, M] target ids
+    fill = logits.gather(1, candidates).min(dim=1).values - 1  # one row per call: its own min - 1
+    outside = torch.ones_like(logits, dtype=torch.bool).scatter_(1, candidates, False)
+    assert torch.equal(logits[outside], fill[:, None].expand_as(logits)[outside]), 'fill is not min(candidates) - 1'
+    assert all(d in c for d, c in zip(drafts.tolist(), candidates.tolist()))
+    result['candidates'] = candidates
+  return result
+
+
+def g4a_sliding_keys(target, asst, states: dict, prompt: list[int]) -> int:
+  """How many of the L committed keys the assistant's sliding layers see (perturbing one value row at a time)."""
+  n = len(prompt)
+  emb = target.get_input_embeddings()(torch.tensor([[states['first_token']]]))
+  x = torch.cat([emb, states['target_hidden'][None, None]], dim=-1)
+  kv = {kind: (k[:, :, :n], v[:, :, :n]) for kind, (k, v) in states['out'].shared_kv_states.items()}
+
+  def run(kv):
+    with torch.inference_mode():
+      return asst(
+          inputs_embeds=x,
+          position_ids=torch.tensor([[n]]),
+          shared_kv_states=kv,
+          attention_mask=torch.ones(1, n + 1, dtype=torch.long),
+      ).logits
+
+  base = run(kv)
+  seen = []
+  for j in range(n):
+    values = kv[SLIDING][1].clone()
+    values[:, :, j] += 3.0
+    seen.append(bool((run({**kv, SLIDING: (kv[SLIDING][0], values)}) - base).abs().max() > 0))
+  first = seen.index(True)
+  assert all(seen[first:]), seen  # a contiguous run ending at the last key
+  return n - first
+
+
+def g4a_generate_check(target, asst, prompt: list[int], want: dict):
+  """`generate(assistant_model=...)` drafts the same first round (recorded from the generator it builds)."""
+  from transformers.generation import candidate_generator  # pylint: disable=g-import-not-at-top
+
+  cls = candidate_generator.SinglePositionMultiTokenCandidateGenerator
+  original, seen = cls.get_candidates, []
+
+  def recording(self, *args, **kwargs):
+    ids, logits = original(self, *args, **kwargs)
+    if logits is not None:
+      seen.append((ids, logits))
+    return ids, logits
+
+  cls.get_candidates = recording
+  try:
+    with torch.inference_mode():
+      target.generate(
+          torch.tensor([prompt]),
+          assistant_model=asst,
+          do_sample=False,
+          max_new_tokens=len(want['drafts']) + 2,
+      )
+  finally:
+    cls.get_candidates = original
+  ids, logits = seen[0]
+  assert torch.equal(ids[0, len(prompt) + 1 :], want['drafts']), (ids, want['drafts'])
+  assert torch.allclose(logits[0], want['logits'], atol=1e-5, rtol=0), (logits[0] - want['logits']).abs().max()
+
+
+def make_gemma4_assistant():
+  """Writes tiny_gemma4_for_assistant/, tiny_gemma4_assistant{,_dense}/ and tiny_gemma4_assistant_reference.npz."""
+  from transformers.models.gemma4_assistant import (  # pylint: disable=g-import-not-at-top
+      Gemma4AssistantConfig,
+      Gemma4AssistantForCausalLM,
+  )
+
+  gen = torch.Generator().manual_seed(G4A_SEED)
+  torch.manual_seed(G4A_SEED)
+  target_config = transformers.Gemma4TextConfig(**G4A_TARGET_CONFIG)
+  assert target_config.kv_sharing_modes == [None, 'store', 'store', 'reuse', 'reuse'], target_config.kv_sharing_modes
+  target = transformers.Gemma4ForCausalLM(target_config).eval()
+  init_g4a(target, gen, final_norm=1.0)
+  target_dir = FIXTURES / G4A_TARGET
+  target_hf = g4a_hub_config(target_config, {'architectures': ['Gemma4ForCausalLM'], 'dtype': 'bfloat16'})
+  save_g4a(
+      target,
+      target_dir,
+      target_hf,
+      transformers.GenerationConfig(bos_token_id=BOS, eos_token_id=[EOS, END_OF_TURN], pad_token_id=PAD),
+      build_tokenizer(),
+  )
+  original, target = target, load_reference(target_dir)
+  assert [layer.self_attn.head_dim for layer in target.model.layers] == [16, 32, 16, 16, 32]
+  reloaded = target.state_dict()
+  for key, value in original.state_dict().items():
+    assert torch.equal(reloaded[key], value), key
+
+  rng = np.random.default_rng(G4A_SEED)
+  prompts = [[BOS] + rng.integers(len(SPECIAL_TOKENS), VOCAB_SIZE, n - 1).tolist() for n in G4A_PROMPT_LENS]
+  states = [g4a_target_states(target, p) for p in prompts]
+  for s in states:
+    assert s['hidden_vs_normed'] == 0.0 and s['hidden_vs_prenorm'] > 1.0, (
+        s['hidden_vs_normed'],
+        s['hidden_vs_prenorm'],
+    )
+
+  arrays = {
+      'input_ids': pad_rows([np.array(p, np.int32) for p in prompts], -1),
+      'input_lens': np.array(G4A_PROMPT_LENS, np.int32),
+      'first_token': np.array([s['first_token'] for s in states], np.int32),
+      'window': np.array(G4A_WINDOW, np.int32),
+      'hidden_is_post_norm': np.array(True),
+      'hidden_vs_prenorm_max_diff': np.array(max(s['hidden_vs_prenorm'] for s in states), np.float32),
+  }
+  for key in (
+      'target_last_logits',
+      'target_hidden',
+      'target_hidden_prenorm',
+      'k_sliding',
+      'v_sliding',
+      'k_full',
+      'v_full',
+  ):
+    arrays[key] = pad_rows([s[key].float().numpy() for s in states], 0.0)
+
+  sizes = {}
+  for name, (ordered, k, hub_style) in G4A_ASSISTANTS.items():
+    text = transformers.Gemma4TextConfig(**G4A_ASSISTANT_TEXT)
+    config = Gemma4AssistantConfig(
+        text_config=text,
+        backbone_hidden_size=G4A_TARGET_CONFIG['hidden_size'],
+        use_ordered_embeddings=ordered,
+        num_centroids=G4A_CENTROIDS,
+        centroid_intermediate_top_k=G4A_TOP_K,
+    )
+    asst = Gemma4AssistantForCausalLM(config).eval()
+    init_g4a(asst, gen, final_norm=4.0)
+    if ordered:
+      asst.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB_SIZE, generator=gen))
+    out = FIXTURES / ('tiny_gemma4_assistant' if ordered else 'tiny_gemma4_assistant_dense')
+    hf = None
+    if hub_style:
+      hf = config.to_diff_dict()
+      hf['text_config'] = g4a_hub_config(text)
+      hf.pop('transformers_version', None)
+      hf.update({'architectures': ['Gemma4AssistantForCausalLM'], 'dtype': 'bfloat16'})
+    save_g4a(asst, out, hf, transformers.GenerationConfig(num_assistant_tokens=k))
+    saved = json.loads((out / 'config.json').read_text())
+    assert ('per_layer_config' in saved['text_config']) != hub_style, saved['text_config']
+    fresh = Gemma4AssistantForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation='eager').eval()
+    assert fresh.generation_config.num_assistant_tokens == k
+    assert [layer.self_attn.head_dim for layer in fresh.model.layers] == [16, 16, 16, 32]
+    fresh_state = fresh.state_dict()
+    for key, value in asst.state_dict().items():
+      assert torch.equal(fresh_state[key], value), key
+    rows = [g4a_draft(target, fresh, s, p) for s, p in zip(states, prompts)]
+    for r in rows:  # Distinct drafts, no near-ties: another implementation's f32 rounding keeps the same ids.
+      assert r['margins'].min() > 0.05 and len(set(r['drafts'].tolist())) >= 2, (r['drafts'], r['margins'])
+    g4a_generate_check(target, fresh, prompts[0], rows[0])
+    if ordered:
+      arrays['sliding_keys'] = np.array(g4a_sliding_keys(target, fresh, states[0], prompts[0]), np.int32)
+      assert arrays['sliding_keys'] == G4A_WINDOW + 1, arrays['sliding_keys']
+    arrays[f'{name}_num_assistant_tokens'] = np.array(k, np.int32)
+    for key in rows[0]:
+      arrays[f'{name}_{key}'] = np.stack([r[key].numpy() for r in rows])
+    sizes[out.name] = sum(f.stat().st_size for f in out.iterdir())
+
+  for key, value in list(arrays.items()):
+    if value.dtype == np.int64:
+      arrays[key] = value.astype(np.int32)
+    elif value.dtype == np.float64:
+      arrays[key] = value.astype(np.float32)
+  npz = FIXTURES / 'tiny_gemma4_assistant_reference.npz'
+  np.savez_compressed(npz, **arrays)
+  sizes[target_dir.name] = sum(f.stat().st_size for f in target_dir.iterdir())
+  print(
+      f'gemma4_assistant: prompts {list(G4A_PROMPT_LENS)}, first tokens {arrays["first_token"].tolist()}, drafts'
+      f' centroid {arrays["centroid_drafts"].tolist()} dense {arrays["dense_drafts"].tolist()}, min margins'
+      f' {arrays["centroid_margins"].min():.3f} / {arrays["dense_margins"].min():.3f}, sliding keys'
+      f' {int(arrays["sliding_keys"])}, hidden_states[-1] = post-norm (pre-norm differs by'
+      f' {float(arrays["hidden_vs_prenorm_max_diff"]):.2f}); sizes {sizes}, npz {npz.stat().st_size:,d} B'
+  )
+
+
 def package_version(name: str) -> str:
   return importlib.metadata.version(name)
 
@@ -2344,7 +2724,17 @@ def make_gemma3_270m():
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
-      '--only', choices=('tiny_gemma3', 'qwen', 'dense', 'gemma3_270m', 'real_tokenizers', 'eagle3', 'dflash')
+      '--only',
+      choices=(
+          'tiny_gemma3',
+          'qwen',
+          'dense',
+          'gemma3_270m',
+          'real_tokenizers',
+          'eagle3',
+          'dflash',
+          'gemma4_assistant',
+      ),
   )
   parser.add_argument(
       '--eagle-repo',
@@ -2378,6 +2768,8 @@ def main():
     make_eagle3(args.eagle_repo)
   if args.only in (None, 'dflash'):
     make_dflash(args.dflash_repo)
+  if args.only in (None, 'gemma4_assistant'):
+    make_gemma4_assistant()
   for path in sorted(FIXTURES.rglob('*')):
     if path.is_file():
       print(f'{path.stat().st_size:>9,d}  {path.relative_to(ROOT)}')

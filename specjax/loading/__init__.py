@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.errors import SpecjaxError
@@ -97,9 +98,13 @@ def resolve_dtype(dtype: str | None) -> jnp.dtype:
 
 
 def fill(abstract: nnx.Module, pure: dict, dtype, source: str) -> tuple[nnx.GraphDef, nnx.State]:
-  """Splits an abstract module once and fills its state from a pure dict of numpy arrays."""
+  """Splits an abstract module once and fills its state from a pure dict of numpy arrays.
+
+  Floating arrays are cast to `dtype`; integer ones (token ids) keep theirs.
+  """
   graphdef, state = nnx.split(abstract)
-  nnx.replace_by_pure_dict(state, jax.tree.map(lambda w: jnp.asarray(w, dtype), pure))
+  cast = lambda w: jnp.asarray(w, dtype if np.issubdtype(np.asarray(w).dtype, np.floating) else None)
+  nnx.replace_by_pure_dict(state, jax.tree.map(cast, pure))
   return graphdef, state
 
 

@@ -46,6 +46,13 @@ def _leaves(tree, prefix=()) -> dict[tuple, np.ndarray]:
   return {prefix: tree}
 
 
+def hf_shapes(mapping: Callable[[dict], dict]) -> dict[str, tuple[int, ...]]:
+  """The HF tensor names and shapes a `params_from_hf`-style mapping reads (it runs on element-id arrays)."""
+  tensors = _IdTensors()
+  mapping(tensors)
+  return {name: shape for name, (_, shape) in tensors.taken.items()}
+
+
 def hf_from_params(mapping: Callable[[dict], dict], params: dict) -> dict[str, np.ndarray]:
   """The inverse of a `params_from_hf`-style mapping: the HF-named float32 tensors it turns into `params`.
 
