@@ -123,9 +123,11 @@ def test_block_and_selector_match_upstream(target, ckpt, ref, step):
   np.testing.assert_allclose(q, placed(ref['q_rows'][:, step], ref_ids, v, 0.0), atol=2e-6, rtol=0)
 
 
-def test_causal_block_matches_upstream(tmp_path, target, ref):
-  """`is_causal: true`: each block row sees the context and the rows before it (upstream's mask)."""
-  path = broken(tmp_path, config={'is_causal': True})
+@pytest.mark.parametrize('is_causal', [True, None], ids=['true', 'absent'])
+def test_causal_block_matches_upstream(tmp_path, target, ref, is_causal):
+  """`is_causal: true`, or no key (z-lab: sliding layers are causal): each block row sees the context and the
+  rows before it (upstream's mask)."""
+  path = broken(tmp_path, config={'is_causal': is_causal})
   causal = load_dflash(path, target)
   assert causal.config.causal == (True, True)
   out, _ = run_block(target.module(), causal.module(), ref, 0)

@@ -79,6 +79,11 @@ def is_dflash2(hf: dict) -> bool:
   return ARCHITECTURE2 in (hf.get('architectures') or [])
 
 
+def default_causal(dflash2: bool, layer_types) -> tuple[bool, ...]:
+  """Causal block layers without `is_causal`: DFlash 2's sliding layers (z-lab's rule); DFlash 1: none (SpecForge)."""
+  return tuple(dflash2 and t == 'sliding_attention' for t in layer_types)
+
+
 def _dflash2_fields(value, where: str) -> dict[str, Any]:
   """DFlash 2's config fields (`value(name)`: dflash_config first, then the top level)."""
   sizes = {}
@@ -142,8 +147,8 @@ def config_from_hf(hf: dict, target_config: Any, where: str) -> DFlashConfig:
     causal = hf.get('is_causal')
     if causal is not None and not isinstance(causal, bool):
       raise SpecjaxError(f'{where}: is_causal must be true or false, got {causal!r}')
-    if causal is None:  # z-lab: sliding layers are causal (DFlash 2); SpecForge's DFlash 1: never
-      causal = [bool(extra) and t == 'sliding_attention' for t in types]
+    if causal is None:
+      causal = list(default_causal(bool(extra), types))
     cfg = DFlashConfig(
         **attention_fields(hf, where),
         num_layers=layers,
@@ -247,6 +252,11 @@ def load_dflash(
   return DFlashCheckpoint(cfg, graphdef, params, where)
 
 
+def _default_causal(cfg: DFlashConfig) -> tuple[bool, ...]:
+  types = ['full_attention' if w is None else 'sliding_attention' for w in cfg.windows]
+  return default_causal(cfg.is_dflash2, types)
+
+
 def config_to_hf(cfg: DFlashConfig, dtype: str) -> dict[str, Any]:
   """config.json in the z-lab / SpecForge layout (DFlash 2: every DFlash field under dflash_config, as z-lab's)."""
   sliding = [w for w in cfg.windows if w is not None]
@@ -262,9 +272,9 @@ def config_to_hf(cfg: DFlashConfig, dtype: str) -> dict[str, Any]:
         output_multiplier=cfg.output_multiplier,
         final_logit_softcapping=cfg.logit_softcap,
     )
-    head = {'architectures': [ARCHITECTURE2], 'model_type': 'qwen3', 'is_causal': cfg.causal[0]}
-  elif any(cfg.causal):
-    head['is_causal'] = True
+    head = {'architectures': [ARCHITECTURE2], 'model_type': 'qwen3'}
+  if cfg.causal != _default_causal(cfg):
+    head['is_causal'] = cfg.causal[0]
   return {
       **head,
       'dflash_config': dict(sorted(dflash.items())),
@@ -298,8 +308,8 @@ def save_dflash(directory: str, config: DFlashConfig, params: Any) -> None:
 
   if len({w for w in config.windows if w is not None}) > 1:
     raise SpecjaxError('cannot export sliding layers with different windows (one sliding_window in the config)')
-  if len(set(config.causal)) > 1:
-    raise SpecjaxError('cannot export causal and non-causal layers together (one is_causal in the config)')
+  if config.causal != _default_causal(config) and len(set(config.causal)) > 1:
+    raise SpecjaxError('cannot export these causal and non-causal layers (one is_causal in the config)')
   if config.is_dflash2 and not (config.conv_taps and config.selector_rank):
     raise SpecjaxError('cannot export a DFlash 2 draft without both its convolutions and its selector')
   pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params

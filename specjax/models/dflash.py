@@ -159,8 +159,9 @@ class CandidateSelector(nnx.Module):
   """DFlash 2's path selector over each slot's top-k candidates (see the module docstring)."""
 
   def __init__(self, dim: int, vocab: int, rank: int, top_k: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-    self.predecessor_codebook = param(rngs, (vocab, rank), dtype, fan_in=1)  # [V, R]
-    self.successor_codebook = nnx.Param(jnp.zeros((vocab, rank), dtype))  # [V, R] zero: the transition is a no-op
+    # Upstream's init: predecessors N(0, 0.02), successors zero (the transition starts as a no-op).
+    self.predecessor_codebook = nnx.Param(jax.random.normal(rngs.params(), (vocab, rank), dtype) * 0.02)  # [V, R]
+    self.successor_codebook = nnx.Param(jnp.zeros((vocab, rank), dtype))  # [V, R]
     self.hidden_projection = param(rngs, (dim, rank), dtype)  # [D, R]
     self.top_k = top_k
 
@@ -204,9 +205,7 @@ def greedy_choice(slot: int, scores: jax.Array, ids: jax.Array) -> jax.Array:  #
 def place(scores: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:  # [..., K], [..., K] -> [..., V], -inf elsewhere
   """Candidate scores as full-vocab logits: no other token can be drawn."""
   out = jnp.full((*scores.shape[:-1], vocab), -jnp.inf, jnp.float32)
-  flat = out.reshape(-1, vocab)
-  rows = jnp.arange(flat.shape[0])[:, None]
-  return flat.at[rows, ids.reshape(-1, ids.shape[-1])].set(scores.reshape(-1, scores.shape[-1])).reshape(out.shape)
+  return jnp.put_along_axis(out, ids, scores.astype(jnp.float32), axis=-1, inplace=False)
 
 
 class DFlashDraft(nnx.Module):
@@ -285,6 +284,14 @@ def block_mask(b: int, t: int) -> jax.Array:  # [B, T, T] all true: block rows s
 # ---------------------------------------------------------------- checkpoint mapping (z-lab / SpecForge layout)
 
 
+CONVS = ('attention_conv', 'mlp_conv')  # DFlash 2: the convolutions of each layer
+SELECTOR = {  # CandidateSelector param -> (tensor name, stored transposed)
+    'predecessor_codebook': ('candidate_selector.predecessor_codebook', False),
+    'successor_codebook': ('candidate_selector.successor_codebook', False),
+    'hidden_projection': ('candidate_selector.hidden_projection.weight', True),
+}
+
+
 def hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
   """The draft's tensors: name -> shape."""
   d, n, k, h, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
@@ -297,24 +304,15 @@ def hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     shapes.update({p + 'self_attn.q_norm.weight': (h,), p + 'self_attn.k_norm.weight': (h,)})
     shapes.update({p + 'mlp.gate_proj.weight': (f, d), p + 'mlp.up_proj.weight': (f, d)})
     shapes[p + 'mlp.down_proj.weight'] = (d, f)
-    if cfg.conv_taps:
-      for conv in ('attention_conv', 'mlp_conv'):
-        shapes[f'{p}{conv}.base_kernel'] = (2, cfg.conv_taps, d)
-        shapes[f'{p}{conv}.kernel_projection.weight'] = (2 * cfg.conv_taps * cfg.conv_groups, d)
+    for conv in CONVS if cfg.conv_taps else ():
+      shapes[f'{p}{conv}.base_kernel'] = (2, cfg.conv_taps, d)
+      shapes[f'{p}{conv}.kernel_projection.weight'] = (2 * cfg.conv_taps * cfg.conv_groups, d)
   if cfg.selector_rank:
     v, r = cfg.vocab_size, cfg.selector_rank
     shapes['candidate_selector.predecessor_codebook'] = (v, r)
     shapes['candidate_selector.successor_codebook'] = (v, r)
     shapes['candidate_selector.hidden_projection.weight'] = (r, d)
   return shapes
-
-
-CONVS = ('attention_conv', 'mlp_conv')
-SELECTOR = {  # CandidateSelector param -> (tensor name, transposed)
-    'predecessor_codebook': ('candidate_selector.predecessor_codebook', False),
-    'successor_codebook': ('candidate_selector.successor_codebook', False),
-    'hidden_projection': ('candidate_selector.hidden_projection.weight', True),
-}
 
 
 def params_from_hf(cfg: DFlashConfig, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
