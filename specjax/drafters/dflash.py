@@ -113,18 +113,17 @@ class DFlashDrafter(Drafter):
     q = None
     if not draft.cfg.selector_rank:
       drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    elif self.probabilistic and not sampling.is_greedy:
-      drafts, q = self._sampled_path(draft, rows, logits, ctx, sampling)
     else:
-      values, ids = draft.selector.candidates(draft.unary(logits))
-      drafts, _ = draft.selector.walk(rows, values, ids, ctx.last_tokens, greedy_choice)
+      values, ids = draft.selector.candidates(draft.unary(logits))  # [B, S, K]
+      if self.probabilistic and not sampling.is_greedy:
+        drafts, q = self._sampled_path(draft, rows, values, ids, logits.shape[-1], ctx, sampling)
+      else:
+        drafts, _ = draft.selector.walk(rows, values, ids, ctx.last_tokens, greedy_choice)
     lens = jnp.where(ctx.active, k, 0).astype(jnp.int32)
     return Proposal(drafts, lens, q, DFlashState(dcache), cache)
 
-  def _sampled_path(self, draft, rows, logits, ctx: DraftContext, sampling):
+  def _sampled_path(self, draft, rows, values, ids, vocab: int, ctx: DraftContext, sampling):
     """Slot by slot, a token drawn from its candidates after the previous draw: (drafts [B, S], q [B, S, V])."""
-    vocab = logits.shape[-1]
-    values, ids = draft.selector.candidates(draft.unary(logits))  # [B, S, K]
 
     def draw(slot, scores, slot_ids):  # scores [B, K] after the previous slot's token
       keys = sampling_lib.row_keys(sampling.seed, ctx.seq_ids, ctx.lengths + 1 + slot, STREAM_SAMPLE)
