@@ -284,10 +284,13 @@ BAD = {
     'no mask token': (dict(config={'dflash_config.mask_token_id': None}), r'mask_token_id None'),
     'block size': (dict(config={'block_size': 1}), 'drafts nothing'),
     'dflash2 tensors': (
-        dict(tensors={'layers.0.attn_conv.kernel_projection.weight': np.zeros((4, 64), np.float32)}),
-        'DFlash 2 checkpoints are not supported yet',
+        dict(tensors={'layers.0.attention_conv.kernel_projection.weight': np.zeros((4, 64), np.float32)}),
+        r'DFlash 2 tensors \(layers.0.attention_conv.kernel_projection.weight, ...\) but architectures',
     ),
-    'dflash2 architecture': (dict(config={'architectures': ['DFlash2DraftModel']}), 'DFlash 2 checkpoints'),
+    'dflash2 architecture': (
+        dict(config={'architectures': ['DFlash2DraftModel']}),
+        'DFlash2DraftModel needs dflash_config.conv_kernel_size',
+    ),
     'missing tensor': (dict(drop=['layers.1.self_attn.k_norm.weight']), 'missing tensors'),
     'shape': (dict(config={'intermediate_size': 40}), r"'layers.0.mlp.gate_proj.weight' has shape \[32, 64\]"),
     'variant': (dict(config={'dflash_config.projector_type': 'mlp'}), 'projector_type'),

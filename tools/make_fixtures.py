@@ -4,7 +4,7 @@ Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
   /work/torchenv/bin/python tools/make_fixtures.py \
-      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3|dflash|gemma4_assistant]
+      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3|dflash|dflash2|gemma4_assistant]
       [--eagle-repo PATH]  (a SafeAILab/EAGLE clone, for eagle3)
       [--dflash-repo PATH]  (a z-lab/dflash clone, for dflash)
 
@@ -37,6 +37,10 @@ Outputs, under tests/fixtures/:
                                   z-lab's dflash/model.py (read from a clone).
   tiny_dflash_reference.npz       two greedy blocks per prompt as dflash_generate
                                   drafts them: block outputs, logits, drafts.
+  tiny_dflash2/                   a random DFlash 2 draft over tiny_qwen3, built with
+                                  tools/dflash2_upstream.py (z-lab's DFlash 2 classes).
+  tiny_dflash2_reference.npz      two blocks per prompt: block outputs, unary logits,
+                                  candidates, edge scores, greedy and sampled paths, q.
   tiny_gemma4_for_assistant/      a random Gemma 4 text target (KV sharing, PLE).
   tiny_gemma4_assistant{,_dense}/ random Gemma 4 assistants over it: centroid-masked
                                   and dense heads.
@@ -1888,12 +1892,14 @@ def crop_to(cache, length: int):
   cache.crop(min(length - cache.get_seq_length(), 0))
 
 
-def dflash_reference(mod, draft, target, prompt: list[int]) -> dict[str, np.ndarray]:
+def dflash_reference(mod, draft, target, prompt: list[int], propose=None) -> dict[str, np.ndarray]:
   """DFLASH_STEPS blocks of z-lab's `dflash_generate` (greedy), recording what each block drafted.
 
   Per step: the block's start (the last token's position), its normed draft
   output [B, H], the target-head logits of rows 1.. [B - 1, V], the drafts, the
-  target's posterior and how many drafts it accepted.
+  target's posterior and how many drafts it accepted. `propose(rows, anchor,
+  logits) -> (drafts [1, B - 1], {key: tensor})` replaces the argmax (DFlash 2's
+  selector) and adds its records.
   """
   n = len(prompt)
   ids = torch.tensor([prompt])
@@ -1922,7 +1928,11 @@ def dflash_reference(mod, draft, target, prompt: list[int]) -> dict[str, np.ndar
       )
       logits = target.lm_head(hidden[:, 1 - DFLASH_BLOCK :, :])
       crop_to(cache_d, start)
-      block[:, 1:] = logits.argmax(-1)
+      extra = {}
+      if propose is None:
+        block[:, 1:] = logits.argmax(-1)
+      else:
+        block[:, 1:], extra = propose(hidden[:, 1 - DFLASH_BLOCK :, :], block[:, 0], logits)
       output = target(
           block,
           position_ids=position_ids[:, start : start + DFLASH_BLOCK],
@@ -1941,8 +1951,9 @@ def dflash_reference(mod, draft, target, prompt: list[int]) -> dict[str, np.ndar
           ('posterior', posterior[0]),
           ('accepted', accepted),
           ('margins', float((top2[:, 0] - top2[:, 1]).min())),
+          *extra.items(),
       ):
-        rec[key].append(value)
+        rec.setdefault(key, []).append(value)
       out_ids[:, start : start + accepted + 1] = block[:, : accepted + 1]
       out_ids[:, start + accepted + 1] = posterior[:, accepted]
       start += accepted + 1
@@ -2375,6 +2386,181 @@ def make_gemma4_assistant():
   )
 
 
+# ---------------------------------------------------------------- DFlash 2 draft (--only dflash2)
+
+# tools/dflash2_upstream.py: a transcription of z-lab/dflash dflash/model.py at
+# 10129599dffb338ff38cfd235a53ca6d3667b4dd (DFlash2DraftModel, GroupedDynamicCausalConv,
+# CandidateSelector; the pinned clone predates them and sglang's modules need its runtime).
+DFLASH2_COMMIT = '10129599dffb338ff38cfd235a53ca6d3667b4dd'
+DFLASH2_CONV = {'conv_kernel_size': 2, 'conv_group_size': 16}  # The real DFlash 2's (4 groups of the 64 channels).
+DFLASH2_SELECTOR = {'selector_rank': 16, 'selector_top_k': 8}
+DFLASH2_LOGITS = {'output_multiplier': 0.125, 'final_logit_softcapping': 3.0}  # Softcap that bites.
+DFLASH2_WINDOW = 256  # All layers sliding, not causal, as the real config; wider than any fixture sequence.
+DFLASH2_TEMPERATURE = 1.0  # Of the sampled selector path.
+DFLASH2_SEED = 18
+
+
+def dflash2_config_dict(target_config: dict) -> dict:
+  """config.json as the real DFlash 2 (`DFlash2DraftModel`): every DFlash 2 field under dflash_config."""
+  hf = dflash_config_dict(target_config)
+  del hf['block_size']
+  hf.update(
+      architectures=['DFlash2DraftModel'],
+      is_causal=False,
+      layer_types=['sliding_attention'] * hf['num_hidden_layers'],
+      use_sliding_window=True,
+      sliding_window=DFLASH2_WINDOW,
+      dflash_config={
+          'block_size': DFLASH_BLOCK,
+          **DFLASH2_CONV,
+          **DFLASH2_LOGITS,
+          'mask_token_id': DFLASH_MASK,
+          **DFLASH2_SELECTOR,
+          'target_layer_ids': list(DFLASH_TAPS),
+      },
+  )
+  return hf
+
+
+def dflash2_name(name: str) -> str:
+  """Upstream's parameter name -> the checkpoint's (the codebooks are `nn.Embedding`s upstream, bare tensors on disk)."""
+  return name.removesuffix('.weight') if name.endswith('_codebook.weight') else name
+
+
+def init_dflash2(draft, gen: torch.Generator) -> dict[str, torch.Tensor]:
+  """Seeded weights, rounded to bfloat16: the backbone as tiny_dflash; every DFlash 2 tensor non-trivial."""
+  tensors = {}
+  with torch.no_grad():
+    for name, param in sorted(draft.named_parameters()):
+      mean, std = 0.0, 0.5
+      if name == 'norm.weight':
+        mean, std = 3.0, 1.0
+      elif name.endswith('norm.weight'):
+        mean, std = 1.0, 0.3
+      elif name.endswith('kernel_projection.weight'):
+        std = 0.1
+      elif name.endswith('_codebook.weight'):
+        std = 1.0
+      elif name.endswith('hidden_projection.weight'):
+        std = 0.01
+      value = mean + std * torch.randn(param.shape, generator=gen)
+      if name.endswith('base_kernel'):  # Near the identity init (tap 0 = 1, later taps 0).
+        value = 0.3 * torch.randn(param.shape, generator=gen)
+        value[:, 0] += 1.0
+      value = value.to(torch.bfloat16)
+      param.copy_(value.float())
+      tensors[dflash2_name(name)] = value
+  return tensors
+
+
+def selector_edges(selector, rows, unary, candidates, previous):
+  """`CandidateSelector.select`'s scores for given predecessors: [1, S, K] from rows [1, S, H], previous [1, S]."""
+  projected = selector.hidden_projection(rows)
+  return unary + torch.einsum(
+      'bsr,bskr->bsk', selector.predecessor_codebook(previous) * projected, selector.successor_codebook(candidates)
+  )
+
+
+def dflash2_propose(draft):
+  """The `propose` hook of `dflash_reference`: upstream's greedy path, plus a sampled path and its q rows."""
+
+  def propose(rows, anchor, logits):
+    selector = draft.candidate_selector
+    unary = draft.compute_logits(rows, lambda _: logits)
+    path, candidates, _ = draft.propose(rows, anchor, lambda _: logits, 0.0)
+    torch.manual_seed(DFLASH2_SEED)
+    sampled, again, q_rows = draft.propose(rows, anchor, lambda _: logits, DFLASH2_TEMPERATURE)
+    assert torch.equal(again, candidates)
+    top = torch.gather(unary, -1, candidates)
+    greedy_edges = selector_edges(selector, rows, top, candidates, torch.cat([anchor[:, None], path[:, :-1]], 1))
+    sampled_edges = selector_edges(selector, rows, top, candidates, torch.cat([anchor[:, None], sampled[:, :-1]], 1))
+    chosen = torch.gather(candidates, -1, greedy_edges.argmax(-1, keepdim=True))[..., 0]
+    assert torch.equal(chosen, path), (chosen, path)  # the recomputed scores are select's
+    torch.testing.assert_close(torch.softmax(sampled_edges / DFLASH2_TEMPERATURE, -1), q_rows, rtol=0, atol=1e-6)
+    ranked = torch.sort(unary, -1, descending=True).values
+    k = candidates.shape[-1]
+    gaps = torch.sort(greedy_edges, -1, descending=True).values
+    return path, {
+        'unary': unary[0],
+        'candidates': candidates[0],
+        'greedy_edges': greedy_edges[0],
+        'sampled': sampled[0],
+        'sampled_edges': sampled_edges[0],
+        'q_rows': q_rows[0],
+        'unary_argmax': unary[0].argmax(-1),
+        'edge_margins': float((gaps[0, :, 0] - gaps[0, :, 1]).min()),
+        'topk_margins': float((ranked[0, :, k - 1] - ranked[0, :, k]).min()),
+    }
+
+  return propose
+
+
+def make_dflash2():
+  """Writes tiny_dflash2/ and tiny_dflash2_reference.npz."""
+  import dflash2_upstream as mod  # pylint: disable=g-import-not-at-top
+
+  target_dir = FIXTURES / DFLASH_TARGET
+  target = load_reference(target_dir)
+  target_config = json.loads((target_dir / 'config.json').read_text())
+  prompts = np.load(FIXTURES / f'{DFLASH_TARGET}_reference.npz')
+  sequences = [prompts['input_ids'][r, : int(prompts['input_lens'][r])].tolist() for r in DFLASH_PROMPT_ROWS]
+  hf = dflash2_config_dict(target_config)
+  config = transformers.Qwen3Config(**{k: v for k, v in hf.items() if k != 'architectures'})
+  torch.manual_seed(DFLASH2_SEED)
+  draft = mod.DFlash2DraftModel(config).eval()
+  assert draft.block_size == DFLASH_BLOCK and draft.mask_token_id == DFLASH_MASK
+  assert all(
+      not layer.self_attn.is_causal and layer.self_attn.sliding_window == DFLASH2_WINDOW for layer in draft.layers
+  )
+  tensors = init_dflash2(draft, torch.Generator().manual_seed(DFLASH2_SEED))
+  rows = [dflash_reference(mod, draft, target, ids, dflash2_propose(draft)) for ids in sequences]
+  for layer in draft.layers:  # The same draft with causal block attention (config is_causal true), first block only.
+    layer.self_attn.is_causal = True
+  causal = [dflash_reference(mod, draft, target, ids, dflash2_propose(draft))['hidden'][0] for ids in sequences]
+  for layer in draft.layers:
+    layer.self_attn.is_causal = False
+  save_eagle3_dir(FIXTURES / 'tiny_dflash2', hf, tensors)
+  fresh = mod.DFlash2DraftModel(config).eval()
+  loaded = safetensors.torch.load_file(FIXTURES / 'tiny_dflash2' / 'model.safetensors')
+  names = {dflash2_name(n): n for n, _ in fresh.named_parameters()}
+  fresh.load_state_dict({names[k]: v.float() for k, v in loaded.items()}, strict=True)
+  again = dflash_reference(mod, fresh, target, sequences[0], dflash2_propose(fresh))
+  assert all(np.array_equal(again[k], rows[0][k]) for k in rows[0]), 'reload changed the results'
+  for r in rows:
+    # No near-ties (another implementation's f32 rounding keeps the same candidates and path); the selector and
+    # the softcap matter (the path leaves the unary argmax; some unary logit is past the cap's linear range).
+    assert r['edge_margins'].min() > 0.05 and r['topk_margins'].min() > 0.002, (r['edge_margins'], r['topk_margins'])
+    assert np.any(r['drafts'] != r['unary_argmax']), 'the selector never changed the greedy path'
+    assert np.abs(r['unary']).max() > 0.5 * DFLASH2_LOGITS['final_logit_softcapping']
+  zeroed = {k: (torch.zeros_like(v) if k.endswith('kernel_projection.weight') else v) for k, v in loaded.items()}
+  fresh.load_state_dict({names[k]: v.float() for k, v in zeroed.items()}, strict=True)
+  plain = dflash_reference(mod, fresh, target, sequences[0], dflash2_propose(fresh))
+  assert np.abs(plain['hidden'] - rows[0]['hidden']).max() > 0.1, 'the dynamic kernels do not matter'
+  arrays = {
+      'input_ids': pad_rows([np.array(s, np.int32) for s in sequences], -1),
+      'input_lens': np.array([len(s) for s in sequences], np.int32),
+      'tap_layers': np.array(DFLASH_TAPS, np.int32),
+      'temperature': np.array(DFLASH2_TEMPERATURE, np.float32),
+      'hidden_causal': np.stack([c.astype(np.float32) for c in causal]),
+  }
+  for key in rows[0]:
+    arrays[key] = pad_rows([r[key] for r in rows], -1 if key == 'sequence' else 0)
+  for key, value in list(arrays.items()):
+    if value.dtype == np.int64:
+      arrays[key] = value.astype(np.int32)
+    elif value.dtype == np.float64:
+      arrays[key] = value.astype(np.float32)
+  npz = FIXTURES / 'tiny_dflash2_reference.npz'
+  np.savez_compressed(npz, **arrays)
+  size = sum(f.stat().st_size for f in (FIXTURES / 'tiny_dflash2').iterdir())
+  print(
+      f'dflash2: prompts {arrays["input_lens"].tolist()}, greedy paths {arrays["drafts"].tolist()} (unary argmax'
+      f' {arrays["unary_argmax"].tolist()}), sampled {arrays["sampled"].tolist()}, accepted'
+      f' {arrays["accepted"].tolist()}, min edge margin {arrays["edge_margins"].min():.3f}, min top-k margin'
+      f' {arrays["topk_margins"].min():.3f}; checkpoint {size:,d} B, npz {npz.stat().st_size:,d} B'
+  )
+
+
 def package_version(name: str) -> str:
   return importlib.metadata.version(name)
 
@@ -2733,6 +2919,7 @@ def main():
           'real_tokenizers',
           'eagle3',
           'dflash',
+          'dflash2',
           'gemma4_assistant',
       ),
   )
@@ -2768,6 +2955,8 @@ def main():
     make_eagle3(args.eagle_repo)
   if args.only in (None, 'dflash'):
     make_dflash(args.dflash_repo)
+  if args.only in (None, 'dflash2'):
+    make_dflash2()
   if args.only in (None, 'gemma4_assistant'):
     make_gemma4_assistant()
   for path in sorted(FIXTURES.rglob('*')):

@@ -12,6 +12,16 @@ each other), its keys and values in scratch slots past L that never persist;
 the target head on rows 1..K gives K greedy drafts. DFlash 1 has no draft
 distribution: sampled steps verify by sample-and-match (exact without q).
 
+DFlash 2's candidate selector walks a path over each slot's top-k of the
+unary logits. `greedy`: the argmax walk (upstream's greedy path), verified
+like DFlash 1's drafts. `probabilistic` (sampled steps): slot k's token is
+drawn, with the step's sampling transform (`sampling.probs` / `sample`, key
+`row_keys(..., position, STREAM_SAMPLE)` as other drafters), from its
+candidates' scores after the token slot k - 1 drew; q_k is that conditional
+law placed in a full-vocab row (zero off the candidates), so rejection
+sampling stays exact: the chain's tokens are drawn from exactly the q they
+are checked against.
+
 The block is embedded with the target's `embed` (z-lab / SpecForge call
 `target.model.embed_tokens`, which carries Gemma's sqrt(D) scale; Qwen and
 Llama have none) and scored by its `logits`. The block never touches the
@@ -27,12 +37,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.drafters.registry import DrafterFamily, checkpoint_option, local_config, option
 from specjax.errors import SpecjaxError
 from specjax.models.contract import StepInputs
-from specjax.models.dflash import block_mask
+from specjax.models.dflash import block_mask, greedy_choice, place
+from specjax.sampling import STREAM_SAMPLE
 
 AUTO_DEPTH_CAP = 7  # mistral.rs: min(block_size - 1, 7) when no depth is given
 SAMPLING_MODES = ('auto', 'greedy', 'probabilistic')
@@ -52,6 +64,8 @@ class DFlashDrafter(Drafter):
   block_size: int = 16
   mask_token_id: int = 0
   max_depth: int = 15  # block_size - 1
+  probabilistic: bool = False  # sampled selector paths with q (DFlash 2); else greedy drafts
+  provides_q: bool = False  # = probabilistic
   name: str = 'dflash'
 
   def params(self):
@@ -94,10 +108,29 @@ class DFlashDrafter(Drafter):
     inputs = StepInputs.chain(state.cache, jnp.where(ctx.active, n, 0), n)
     inputs = dataclasses.replace(inputs, mask=block_mask(b, n))
     out, dcache = draft.block(embeds, inputs, state.cache)  # lengths stay at the context's
-    logits = target.logits(out[:, 1 : k + 1]).astype(jnp.float32)  # [B, K, V]
-    drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    rows = out[:, 1 : k + 1]  # [B, S = K, D]
+    logits = target.logits(rows).astype(jnp.float32)  # [B, S, V]
+    q = None
+    if not draft.cfg.selector_rank:
+      drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+      values, ids = draft.selector.candidates(draft.unary(logits))  # [B, S, K]
+      if self.probabilistic and not sampling.is_greedy:
+        drafts, q = self._sampled_path(draft, rows, values, ids, logits.shape[-1], ctx, sampling)
+      else:
+        drafts, _ = draft.selector.walk(rows, values, ids, ctx.last_tokens, greedy_choice)
     lens = jnp.where(ctx.active, k, 0).astype(jnp.int32)
-    return Proposal(drafts, lens, None, DFlashState(dcache), cache)
+    return Proposal(drafts, lens, q, DFlashState(dcache), cache)
+
+  def _sampled_path(self, draft, rows, values, ids, vocab: int, ctx: DraftContext, sampling):
+    """Slot by slot, a token drawn from its candidates after the previous draw: (drafts [B, S], q [B, S, V])."""
+
+    def draw(slot, scores, slot_ids):  # scores [B, K] after the previous slot's token
+      keys = sampling_lib.row_keys(sampling.seed, ctx.seq_ids, ctx.lengths + 1 + slot, STREAM_SAMPLE)
+      return sampling_lib.sample(place(scores, slot_ids, vocab), sampling, keys)
+
+    drafts, scores = draft.selector.walk(rows, values, ids, ctx.last_tokens, draw)
+    return drafts, sampling_lib.probs(place(scores, ids, vocab), sampling)
 
   def commit(self, params, state: DFlashState, ctx: DraftContext, n_emitted, taps, hidden=None) -> DFlashState:
     # taps: the verify block's [B, K + 1, D] at positions L .. L + K; the first n_emitted are committed.
@@ -113,7 +146,8 @@ def block_size_of(ckpt: Any) -> int | None:
 
   if isinstance(ckpt, DFlashCheckpoint):
     return ckpt.config.block_size
-  size = (local_config(ckpt) or {}).get('block_size')
+  hf = local_config(ckpt) or {}
+  size = (hf.get('dflash_config') or {}).get('block_size', hf.get('block_size'))
   return size if isinstance(size, int) and size >= 2 else None
 
 
@@ -151,15 +185,15 @@ def _build(target, options: DFlashOptions) -> DFlashDrafter:
   from specjax.loading.dflash import DFlashCheckpoint, load_dflash
 
   ckpt = options.draft_model
-  if options.draft_sampling == 'probabilistic':  # only DFlash 2's candidate selector gives a draft distribution
-    source = ckpt.source if isinstance(ckpt, DFlashCheckpoint) else ckpt
-    raise SpecjaxError(
-        f'{source}: --draft-sampling probabilistic needs a DFlash 2 candidate selector; a DFlash 1 '
-        'checkpoint drafts greedily (use auto or greedy)'
-    )
   if not isinstance(ckpt, DFlashCheckpoint):
     ckpt = load_dflash(str(ckpt), target, dtype=target.dtype)
   cfg = ckpt.config
+  if options.draft_sampling == 'probabilistic' and not cfg.selector_rank:  # only it gives a draft distribution
+    raise SpecjaxError(
+        f'{ckpt.source}: --draft-sampling probabilistic needs a DFlash 2 candidate selector; a DFlash 1 '
+        'checkpoint drafts greedily (use auto or greedy)'
+    )
+  probabilistic = options.draft_sampling != 'greedy' and bool(cfg.selector_rank)
   return DFlashDrafter(
       graphdef=ckpt.graphdef,
       draft_params=ckpt.params,
@@ -167,6 +201,8 @@ def _build(target, options: DFlashOptions) -> DFlashDrafter:
       block_size=cfg.block_size,
       mask_token_id=cfg.mask_token_id,
       max_depth=cfg.block_size - 1,
+      probabilistic=probabilistic,
+      provides_q=probabilistic,
   )
 
 
@@ -178,6 +214,6 @@ FAMILY = DrafterFamily(
     depths=(3, 5, 7),
     default_depth=AUTO_DEPTH_CAP,
     max_depth=_max_depth,
-    help='a DFlash block-diffusion draft (z-lab / SpecForge checkpoint): one block forward drafts up to '
-    'block_size - 1 tokens from target features; default depth min(block_size - 1, 7)',
+    help='a DFlash or DFlash 2 block-diffusion draft (z-lab / SpecForge checkpoint): one block forward drafts up '
+    'to block_size - 1 tokens from target features; default depth min(block_size - 1, 7)',
 )

@@ -40,6 +40,7 @@ def checkpoint_option() -> Any:
 # A checkpoint's `architectures` -> the family that reads it (mistral.rs picks DFlash from --mtp-model so).
 ARCHITECTURE_FAMILIES = {
     'DFlashDraftModel': 'dflash',
+    'DFlash2DraftModel': 'dflash',
     'LlamaForCausalLMEagle3': 'eagle3',
     'Eagle3LlamaForCausalLM': 'eagle3',
     'Eagle3Speculator': 'eagle3',

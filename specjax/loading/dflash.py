@@ -14,7 +14,17 @@ entry is final-normed, so ids must stay below L - 1 (defaults reach L - 3).
 Default ids (`build_target_layer_ids`): `round(1 + i * (L - 4) / (n - 1))` for the
 n draft layers, `[L // 2]` for one.
 
-DFlash 2 checkpoints (grouped convolutions, candidate selector) are refused.
+DFlash 2 (`architectures: ["DFlash2DraftModel"]`, as z-lab, sglang and vLLM
+detect it): the same backbone; `dflash_config` holds `block_size`,
+`conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`,
+`output_multiplier`, `final_logit_softcapping` (each also read at the top
+level, dflash_config first, as z-lab's `_draft_value`), plus the tensors
+`layers.{i}.{attention,mlp}_conv.{base_kernel [2, taps, H],
+kernel_projection.weight [2 * taps * H / group, H]}` and
+`candidate_selector.{predecessor_codebook, successor_codebook} [V, rank]`,
+`candidate_selector.hidden_projection.weight [rank, H]`. Block attention is
+causal where `is_causal` says so; without the key, DFlash 2's sliding layers
+are causal (z-lab's default) and DFlash 1's never (SpecForge's).
 """
 
 from __future__ import annotations
@@ -36,8 +46,10 @@ from specjax.models.layers import ACTIVATIONS
 from specjax.models.llama import attention_fields
 
 ARCHITECTURE = 'DFlashDraftModel'
+ARCHITECTURE2 = 'DFlash2DraftModel'
 # Names that only DFlash 2 has (sglang `DFlash2DraftModel`, `DFlashGroupedConv`, `CandidateSelector`).
 DFLASH2_MARKERS = ('kernel_projection', 'base_kernel', 'codebook', 'hidden_projection', 'selector')
+DFLASH2_SIZES = ('conv_kernel_size', 'conv_group_size', 'selector_rank', 'selector_top_k')
 
 
 @dataclasses.dataclass
@@ -60,16 +72,42 @@ def default_taps(num_target_layers: int, num_draft_layers: int) -> tuple[int, ..
 
 
 def is_dflash(hf: dict) -> bool:
-  return ARCHITECTURE in (hf.get('architectures') or []) or 'dflash_config' in hf
+  return bool({ARCHITECTURE, ARCHITECTURE2} & set(hf.get('architectures') or [])) or 'dflash_config' in hf
 
 
-def _refuse_dflash2(hf: dict, names: list[str], where: str) -> None:
-  archs = [a for a in hf.get('architectures') or [] if 'dflash2' in a.lower()]
-  keys = [k for k in (hf.get('dflash_config') or {}) if any(m in k for m in DFLASH2_MARKERS + ('conv',))]
-  tensors = [n for n in names if any(m in n for m in DFLASH2_MARKERS)]
-  if archs or keys or tensors or 'output_multiplier' in hf:
-    what = archs or keys or tensors[:3] or ['output_multiplier']
-    raise SpecjaxError(f'{where}: DFlash 2 checkpoints are not supported yet ({", ".join(what)})')
+def is_dflash2(hf: dict) -> bool:
+  return ARCHITECTURE2 in (hf.get('architectures') or [])
+
+
+def default_causal(dflash2: bool, layer_types) -> tuple[bool, ...]:
+  """Causal block layers without `is_causal`: DFlash 2's sliding layers (z-lab's rule); DFlash 1: none (SpecForge)."""
+  return tuple(dflash2 and t == 'sliding_attention' for t in layer_types)
+
+
+def _dflash2_fields(value, where: str) -> dict[str, Any]:
+  """DFlash 2's config fields (`value(name)`: dflash_config first, then the top level)."""
+  sizes = {}
+  for name in DFLASH2_SIZES:
+    size = value(name)
+    if size is None:
+      raise SpecjaxError(f'{where}: {ARCHITECTURE2} needs dflash_config.{name}')
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+      raise SpecjaxError(f'{where}: dflash_config.{name} must be a positive integer, got {size!r}')
+    sizes[name] = size
+  multiplier, cap = value('output_multiplier', 1.0), value('final_logit_softcapping')
+  for name, x in (('output_multiplier', multiplier), ('final_logit_softcapping', cap)):
+    if x is None and name == 'final_logit_softcapping':
+      continue
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < float('inf'):
+      raise SpecjaxError(f'{where}: dflash_config.{name} must be a positive number, got {x!r}')
+  return {
+      'conv_taps': sizes['conv_kernel_size'],
+      'conv_group_size': sizes['conv_group_size'],
+      'selector_rank': sizes['selector_rank'],
+      'selector_top_k': sizes['selector_top_k'],
+      'output_multiplier': float(multiplier),
+      'logit_softcap': None if cap is None else float(cap),
+  }
 
 
 def config_from_hf(hf: dict, target_config: Any, where: str) -> DFlashConfig:
@@ -80,6 +118,7 @@ def config_from_hf(hf: dict, target_config: Any, where: str) -> DFlashConfig:
     )
   try:
     dcfg = hf.get('dflash_config') or {}
+    value = lambda name, default=None: dcfg.get(name, hf.get(name, default))  # z-lab's `_draft_value`
     for key in ('projector_type', 'pure_draft_prefix_len', 'shift_label'):
       if dcfg.get(key):
         raise SpecjaxError(f'{where}: dflash_config.{key}={dcfg[key]!r} is not supported (plain DFlash only)')
@@ -90,7 +129,10 @@ def config_from_hf(hf: dict, target_config: Any, where: str) -> DFlashConfig:
     if act not in ACTIVATIONS:
       raise SpecjaxError(f'{where}: unsupported activation {act!r}')
     layers = int(hf['num_hidden_layers'])
-    vocab, block = int(hf['vocab_size']), int(hf['block_size'])
+    vocab = int(hf['vocab_size'])
+    if value('block_size') is None:
+      raise KeyError('block_size')
+    block = int(value('block_size'))
     target_layers = int(hf.get('num_target_layers') or target_config.num_layers)
     types = hf.get('layer_types') or ['full_attention'] * layers
     if len(types) != layers or set(types) - {'full_attention', 'sliding_attention'}:
@@ -100,8 +142,13 @@ def config_from_hf(hf: dict, target_config: Any, where: str) -> DFlashConfig:
     window = hf.get('sliding_window')
     if 'sliding_attention' in types and not (isinstance(window, int) and window > 0):
       raise SpecjaxError(f'{where}: sliding_attention layers need a positive sliding_window, got {window!r}')
-    mask = dcfg.get('mask_token_id', hf.get('mask_token_id'))
-    ids = dcfg.get('target_layer_ids', hf.get('target_layer_ids'))
+    mask, ids = value('mask_token_id'), value('target_layer_ids')
+    extra = _dflash2_fields(value, where) if is_dflash2(hf) else {}
+    causal = hf.get('is_causal')
+    if causal is not None and not isinstance(causal, bool):
+      raise SpecjaxError(f'{where}: is_causal must be true or false, got {causal!r}')
+    if causal is None:
+      causal = list(default_causal(bool(extra), types))
     cfg = DFlashConfig(
         **attention_fields(hf, where),
         num_layers=layers,
@@ -113,6 +160,8 @@ def config_from_hf(hf: dict, target_config: Any, where: str) -> DFlashConfig:
         windows=tuple(window if t == 'sliding_attention' else None for t in types),
         max_position_embeddings=int(hf.get('max_position_embeddings') or 40960),
         activation=act,
+        causal=tuple(causal) if isinstance(causal, list) else (causal,) * layers,
+        **extra,
     )
   except KeyError as e:
     raise SpecjaxError(f'{where}: missing key {e.args[0]!r}') from None
@@ -144,6 +193,16 @@ def _check(cfg: DFlashConfig, t: Any, default_ids: bool, where: str) -> None:
         f'{where}: {origin} {list(cfg.taps)} (outputs of layers, 0-based) must be in 0..{t.num_layers - 2} for the '
         f"target's {t.num_layers} layers"
     )
+  if cfg.conv_taps and cfg.hidden_size % cfg.conv_group_size:
+    raise SpecjaxError(
+        f'{where}: dflash_config.conv_group_size {cfg.conv_group_size} does not divide hidden_size {cfg.hidden_size}'
+    )
+  if cfg.conv_taps > cfg.block_size:
+    raise SpecjaxError(f'{where}: dflash_config.conv_kernel_size {cfg.conv_taps} exceeds block_size {cfg.block_size}')
+  if cfg.selector_top_k > cfg.vocab_size:
+    raise SpecjaxError(
+        f'{where}: dflash_config.selector_top_k {cfg.selector_top_k} exceeds the vocabulary ({cfg.vocab_size})'
+    )
   if not 0 <= cfg.mask_token_id < t.vocab_size:
     raise SpecjaxError(
         f'{where}: dflash_config.mask_token_id {cfg.mask_token_id if cfg.mask_token_id >= 0 else None} must be a '
@@ -169,8 +228,13 @@ def load_dflash(
   headers = {}
   for f in safetensors_files(path):
     headers.update(safetensors_header(f))  # truncated or corrupt files fail here
-  _refuse_dflash2(hf, list(headers), where)
   cfg = config_from_hf(hf, target.config, where)
+  stray = [n for n in headers if not cfg.is_dflash2 and any(m in n for m in DFLASH2_MARKERS)]
+  if stray:
+    raise SpecjaxError(
+        f'{where}: DFlash 2 tensors ({", ".join(stray[:2])}, ...) but architectures {hf.get("architectures")} do '
+        f'not name {ARCHITECTURE2}'
+    )
   shapes = {n: tuple(h['shape']) for n, h in headers.items()}
   want = dflash.hf_shapes(cfg)
   missing = [n for n in want if n not in shapes]
@@ -188,14 +252,32 @@ def load_dflash(
   return DFlashCheckpoint(cfg, graphdef, params, where)
 
 
+def _default_causal(cfg: DFlashConfig) -> tuple[bool, ...]:
+  types = ['full_attention' if w is None else 'sliding_attention' for w in cfg.windows]
+  return default_causal(cfg.is_dflash2, types)
+
+
 def config_to_hf(cfg: DFlashConfig, dtype: str) -> dict[str, Any]:
-  """config.json in the z-lab / SpecForge layout."""
+  """config.json in the z-lab / SpecForge layout (DFlash 2: every DFlash field under dflash_config, as z-lab's)."""
   sliding = [w for w in cfg.windows if w is not None]
+  dflash = {'mask_token_id': cfg.mask_token_id, 'target_layer_ids': list(cfg.taps)}
+  head = {'architectures': [ARCHITECTURE], 'model_type': 'qwen3', 'block_size': cfg.block_size}
+  if cfg.is_dflash2:
+    dflash.update(
+        block_size=cfg.block_size,
+        conv_kernel_size=cfg.conv_taps,
+        conv_group_size=cfg.conv_group_size,
+        selector_rank=cfg.selector_rank,
+        selector_top_k=cfg.selector_top_k,
+        output_multiplier=cfg.output_multiplier,
+        final_logit_softcapping=cfg.logit_softcap,
+    )
+    head = {'architectures': [ARCHITECTURE2], 'model_type': 'qwen3'}
+  if cfg.causal != _default_causal(cfg):
+    head['is_causal'] = cfg.causal[0]
   return {
-      'architectures': [ARCHITECTURE],
-      'model_type': 'qwen3',
-      'block_size': cfg.block_size,
-      'dflash_config': {'mask_token_id': cfg.mask_token_id, 'target_layer_ids': list(cfg.taps)},
+      **head,
+      'dflash_config': dict(sorted(dflash.items())),
       'num_target_layers': cfg.num_target_layers,
       'hidden_size': cfg.hidden_size,
       'intermediate_size': cfg.intermediate_size,
@@ -226,6 +308,10 @@ def save_dflash(directory: str, config: DFlashConfig, params: Any) -> None:
 
   if len({w for w in config.windows if w is not None}) > 1:
     raise SpecjaxError('cannot export sliding layers with different windows (one sliding_window in the config)')
+  if config.causal != _default_causal(config) and len(set(config.causal)) > 1:
+    raise SpecjaxError('cannot export these causal and non-causal layers (one is_causal in the config)')
+  if config.is_dflash2 and not (config.conv_taps and config.selector_rank):
+    raise SpecjaxError('cannot export a DFlash 2 draft without both its convolutions and its selector')
   pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
   tensors = dflash.params_to_hf(config, pure)
   hf = config_to_hf(config, str(tensors['fc.weight'].dtype))
