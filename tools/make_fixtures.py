@@ -4,7 +4,7 @@ Runs only in the side environment (torch + transformers), never in specjax's
 own venv; see tools/README.md. Usage:
 
   /work/torchenv/bin/python tools/make_fixtures.py \
-      [--only tiny_gemma3|qwen|dense|gemma3_270m|real_tokenizers|eagle3|dflash|dflash2|gemma4_assistant]
+      [--only tiny_gemma3|qwen|dense|gemma4|gemma3_270m|real_tokenizers|eagle3|dflash|dflash2|gemma4_assistant]
       [--eagle-repo PATH]  (a SafeAILab/EAGLE clone, for eagle3)
       [--dflash-repo PATH]  (a z-lab/dflash clone, for dflash)
 
@@ -23,6 +23,11 @@ Outputs, under tests/fixtures/:
   tiny_{llama3,mistral,qwen3}_reference.npz
                                   per-prompt logits, hidden states, greedy
                                   continuations (Mistral also without window).
+  tiny_gemma4/                    random Gemma4ForCausalLM (KV sharing, PLE, Hub config)
+  tiny_gemma4_moe/                and a k_eq_v + MoE one, with a Gemma-style BPE tokenizer.
+  tiny_gemma4{,_moe}_reference.npz
+                                  logits, final hidden states, donor K/V,
+                                  greedy continuations.
   gemma3_270m_reference.json      tokenizer, greedy and logits of the real
                                   Gemma 3 270M Q4_K_M GGUF.
   real_tokenizers_reference.json  ids of the real Llama 3, Qwen3 and Mistral
@@ -1440,6 +1445,279 @@ def make_dense(spec: DenseSpec):
   for note in notes:
     print(f'  {note}')
   for prompt, new in zip(prompts, arrays['greedy_new_ids'].tolist()):
+    print(f'  {prompt[:24]!r} -> {hf_tok.decode(new)!r}')
+
+
+# ---------------------------------------------------------------- Gemma 4 (--only gemma4)
+
+GEMMA4_HEAD_DIM, GEMMA4_GLOBAL_HEAD_DIM = 16, 32
+GEMMA4_SEQ_LEN = 32
+GEMMA4_NEW_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4Spec:
+  """One tiny random Gemma 4 text checkpoint."""
+
+  name: str
+  seed: int
+  layer_types: tuple[str, ...]
+  num_kv_shared_layers: int
+  ple_dim: int  # hidden_size_per_layer_input; 0: no per-layer embeddings
+  double_wide: bool  # use_double_wide_mlp: KV-shared layers' MLP twice as wide
+  k_eq_v: bool  # attention_k_eq_v (+ num_global_key_value_heads 1 on full layers)
+  moe: bool  # enable_moe_block: 4 experts, top 2
+  hub_config: bool  # Hub config.json (global_head_dim) instead of transformers' per_layer_config
+  embed_std: float = 0.1
+  logit_gain: float = 12.0
+
+
+GEMMA4_SPECS = (
+    Gemma4Spec(  # E2B / E4B-shaped: KV sharing of both types, PLE, double-wide MLP.
+        name='tiny_gemma4',
+        seed=44,
+        layer_types=(SLIDING, SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL),
+        num_kv_shared_layers=3,
+        ple_dim=8,
+        double_wide=True,
+        k_eq_v=False,
+        moe=False,
+        hub_config=True,
+    ),
+    Gemma4Spec(  # 26B-A4B / 31B-shaped: k = v on full layers, fewer full kv heads, MoE, no sharing, no PLE.
+        name='tiny_gemma4_moe',
+        seed=40,
+        layer_types=(SLIDING, FULL, SLIDING, FULL),
+        num_kv_shared_layers=0,
+        ple_dim=0,
+        double_wide=False,
+        k_eq_v=True,
+        moe=True,
+        hub_config=False,
+    ),
+)
+
+
+def build_gemma_bpe_tokenizer() -> tokenizers.Tokenizer:
+  """Gemma's tokenizer.json form (transformers' `GemmaTokenizer`, as Gemma 4 ships it), trained small.
+
+  A BPE over "▁"-for-space text with byte fallback (`<0x00>`..`<0xFF>` after the
+  specials), no prefix space, trained word by word; prepends `<bos>`.
+  """
+  byte_pieces = [f'<0x{b:02X}>' for b in range(256)]
+  trainer = trainers.BpeTrainer(
+      vocab_size=VOCAB_SIZE, min_frequency=1, special_tokens=SPECIAL_TOKENS + byte_pieces, show_progress=False
+  )
+  probe = tokenizers.Tokenizer(tok_models.BPE(unk_token='<unk>'))
+  probe.normalizer = normalizers.Replace(' ', '\u2581')
+  probe.pre_tokenizer = pre_tokenizers.Metaspace(replacement='\u2581', prepend_scheme='never', split=True)
+  probe.train_from_iterator(TOKENIZER_TEXT, trainer)
+  trained = json.loads(probe.to_str())['model']
+  merges = [tuple(m) if isinstance(m, list) else tuple(m.split(' ', 1)) for m in trained['merges']]
+  tok = tokenizers.Tokenizer(
+      tok_models.BPE(vocab=trained['vocab'], merges=merges, unk_token='<unk>', fuse_unk=True, byte_fallback=True)
+  )
+  tok.normalizer = normalizers.Replace(' ', '\u2581')
+  tok.pre_tokenizer = pre_tokenizers.Split(' ', behavior='merged_with_previous')
+  tok.decoder = decoders.Sequence([decoders.Replace('\u2581', ' '), decoders.ByteFallback(), decoders.Fuse()])
+  tok.add_special_tokens([tokenizers.AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
+  tok.post_processor = processors.TemplateProcessing(
+      single='<bos> $A', pair='<bos> $A $B', special_tokens=[('<bos>', BOS)]
+  )
+  assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+  for i, s in enumerate(SPECIAL_TOKENS + byte_pieces):
+    assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+  for text in TOKENIZER_TEXT + ['naïve café 日本 \t x  y']:
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == text, text
+  return tok
+
+
+def gemma4_config(spec: Gemma4Spec) -> transformers.Gemma4TextConfig:
+  """Tiny sizes: hidden 32, 4 heads of 16 (sliding) / 32 (full), 2 kv heads, window 6, softcap 30."""
+  kwargs = {}
+  if spec.moe:
+    kwargs.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+  return transformers.Gemma4TextConfig(
+      vocab_size=VOCAB_SIZE,
+      hidden_size=32,
+      intermediate_size=32,
+      num_hidden_layers=len(spec.layer_types),
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=GEMMA4_HEAD_DIM,
+      global_head_dim=GEMMA4_GLOBAL_HEAD_DIM,
+      num_global_key_value_heads=1 if spec.k_eq_v else None,
+      attention_k_eq_v=spec.k_eq_v,
+      hidden_activation='gelu_pytorch_tanh',
+      max_position_embeddings=512,
+      rms_norm_eps=1e-6,
+      rope_parameters={
+          SLIDING: {'rope_type': 'default', 'rope_theta': 1e4},
+          FULL: {'rope_type': 'proportional', 'partial_rotary_factor': 0.25, 'rope_theta': 1e6},
+      },
+      sliding_window=6,
+      layer_types=list(spec.layer_types),
+      final_logit_softcapping=30.0,
+      num_kv_shared_layers=spec.num_kv_shared_layers,
+      hidden_size_per_layer_input=spec.ple_dim,
+      vocab_size_per_layer_input=VOCAB_SIZE,
+      use_double_wide_mlp=spec.double_wide,
+      tie_word_embeddings=True,
+      bos_token_id=BOS,
+      eos_token_id=EOS,
+      pad_token_id=PAD,
+      architectures=['Gemma4ForCausalLM'],
+      **kwargs,
+  )
+
+
+def gemma4_hub_config_dict(config: transformers.Gemma4TextConfig, spec: Gemma4Spec) -> dict:
+  """The Hub's config.json layout of a Gemma 4 text config: global_head_dim etc., no per_layer_config."""
+  saved = config.to_dict()
+  keep = (
+      'attention_bias attention_dropout attention_k_eq_v bos_token_id enable_moe_block eos_token_id'
+      ' final_logit_softcapping head_dim hidden_activation hidden_size hidden_size_per_layer_input'
+      ' initializer_range intermediate_size layer_types max_position_embeddings model_type moe_intermediate_size'
+      ' num_attention_heads num_experts num_hidden_layers num_key_value_heads num_kv_shared_layers pad_token_id'
+      ' rms_norm_eps rope_parameters sliding_window tie_word_embeddings top_k_experts use_bidirectional_attention'
+      ' use_cache use_double_wide_mlp vocab_size vocab_size_per_layer_input'
+  ).split()
+  out = {'architectures': ['Gemma4ForCausalLM'], **{k: saved[k] for k in keep}}
+  out['global_head_dim'] = GEMMA4_GLOBAL_HEAD_DIM
+  out['num_global_key_value_heads'] = 1 if spec.k_eq_v else None
+  out['dtype'] = 'float32'
+  return dict(sorted(out.items()))
+
+
+def init_gemma4_weights(model: torch.nn.Module, spec: Gemma4Spec):
+  """Seeded init: N(0, 0.1) matrices; plain-weight norms, router scales: 1 + N(0, 0.3); layer_scalar U(0.5, 1.5).
+
+  The final norm's weight, logit_gain + N(0, 0.3), sets the logit scale.
+  """
+  gen = torch.Generator().manual_seed(spec.seed)
+  with torch.no_grad():
+    for name, param in sorted(model.named_parameters()):
+      module = name.rsplit('.', 2)[-2]
+      mean, std = 0.0, 0.1
+      if name == 'model.norm.weight':
+        mean, std = spec.logit_gain, 0.3
+      elif 'norm' in module or name.endswith(('router.scale', 'per_expert_scale')):
+        mean, std = 1.0, 0.3
+      elif name == 'model.embed_tokens.weight':
+        std = spec.embed_std
+      param.copy_(mean + std * torch.randn(param.shape, generator=gen))
+    for layer in model.model.layers:
+      layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
+
+
+def gemma4_donor_kv(ref, input_ids: torch.Tensor) -> dict[str, np.ndarray]:
+  """The donors' keys and values (`shared_kv_states`, [B, T, K, H] each) of one forward."""
+  with torch.inference_mode():
+    out = ref(input_ids, return_shared_kv_states=True)
+  arrays = {}
+  for layer_type, (k, v) in out.shared_kv_states.items():
+    short = 'sliding' if layer_type == SLIDING else 'full'
+    arrays[f'donor_k_{short}'] = k.transpose(1, 2).float().numpy()
+    arrays[f'donor_v_{short}'] = v.transpose(1, 2).float().numpy()
+  return arrays
+
+
+def make_gemma4(spec: Gemma4Spec, tok: tokenizers.Tokenizer):
+  """Writes one tiny Gemma 4 checkpoint and its reference npz."""
+  out = FIXTURES / spec.name
+  torch.manual_seed(spec.seed)
+  config = gemma4_config(spec)
+  config._attn_implementation = 'eager'  # pylint: disable=protected-access
+  model = transformers.Gemma4ForCausalLM(config).eval()
+  init_gemma4_weights(model, spec)
+  if out.exists():
+    shutil.rmtree(out)
+  out.mkdir(parents=True)
+  model.save_pretrained(out)
+  if spec.hub_config:
+    write_json(out / 'config.json', gemma4_hub_config_dict(model.config, spec))
+  transformers.GenerationConfig(bos_token_id=BOS, eos_token_id=[EOS, END_OF_TURN], pad_token_id=PAD).save_pretrained(
+      out
+  )
+  write_tokenizer(tok, out)
+  assert sorted(p.name for p in out.glob('*.safetensors')) == ['model.safetensors']
+
+  ref = load_reference(out)
+  assert type(ref) is transformers.Gemma4ForCausalLM, type(ref)
+  loaded = json.loads((out / 'config.json').read_text())
+  assert ('per_layer_config' in loaded) != spec.hub_config, sorted(loaded)
+  for i, layer in enumerate(ref.model.layers):  # Per-type shapes survive the round trip.
+    attn, full = layer.self_attn, spec.layer_types[i] == FULL
+    assert attn.head_dim == (GEMMA4_GLOBAL_HEAD_DIM if full else GEMMA4_HEAD_DIM), (i, attn.head_dim)
+    assert attn.is_kv_shared_layer == (i >= len(spec.layer_types) - spec.num_kv_shared_layers), i
+    if not attn.is_kv_shared_layer:
+      assert attn.k_proj.out_features == (1 if spec.k_eq_v and full else 2) * attn.head_dim
+      assert (attn.v_proj is None) == (spec.k_eq_v and full), i
+  assert ref.generation_config.eos_token_id == [EOS, END_OF_TURN]
+  reloaded = ref.state_dict()
+  for name, value in model.state_dict().items():
+    assert torch.equal(value, reloaded[name]), name
+  hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+  for text in TOKENIZER_TEXT:
+    assert hf_tok(text)['input_ids'] == tok.encode(text).ids, text
+
+  rng = np.random.default_rng(spec.seed)
+  text_ids = tok.encode(TINY_TEXTS['logits']).ids
+  assert len(text_ids) >= GEMMA4_SEQ_LEN, len(text_ids)
+  rows = [
+      text_ids[:GEMMA4_SEQ_LEN],
+      [BOS] + rng.integers(len(SPECIAL_TOKENS), VOCAB_SIZE, GEMMA4_SEQ_LEN - 1).tolist(),
+  ]
+  input_ids = torch.tensor(rows)
+  with torch.inference_mode():
+    result = ref(input_ids, output_hidden_states=True)
+  logits = result.logits.float().numpy()
+  hidden = result.hidden_states[-1].float().numpy()  # after the final norm
+  donors = gemma4_donor_kv(ref, input_ids)
+  assert sorted(donors) == ['donor_k_full', 'donor_k_sliding', 'donor_v_full', 'donor_v_sliding'], sorted(donors)
+
+  prompts = TINY_TEXTS['greedy']
+  prompt_ids = [tok.encode(p).ids for p in prompts]
+  new_ids, margins = [], []
+  for ids in prompt_ids:
+    new, margin = greedy(ref, ids, GEMMA4_NEW_TOKENS)
+    assert len(new) == GEMMA4_NEW_TOKENS, ('hit eos early', new)
+    check_teacher_forced(ref, ids, new)
+    new_ids.append(new)
+    margins.append(margin)
+  lens = [len(ids) for ids in prompt_ids]
+  padded = np.full((len(prompts), max(lens)), -1, np.int32)
+  for i, ids in enumerate(prompt_ids):
+    padded[i, : len(ids)] = ids
+
+  # Effects the tests rely on: the softcap and the window change the logits.
+  ref.config.final_logit_softcapping = None
+  with torch.inference_mode():
+    uncapped = ref(input_ids).logits.float().numpy()
+  ref.config.final_logit_softcapping = 30.0
+  softcap_effect = np.abs(uncapped - logits).max()
+  assert softcap_effect > 1e-2, softcap_effect
+
+  npz = FIXTURES / f'{spec.name}_reference.npz'
+  np.savez_compressed(
+      npz,
+      input_ids=input_ids.numpy().astype(np.int32),
+      logits=logits.astype(np.float32),
+      hidden=hidden.astype(np.float32),
+      **{k: v.astype(np.float32) for k, v in donors.items()},
+      greedy_prompts=np.array(prompts),
+      greedy_prompt_ids=padded,
+      greedy_prompt_lens=np.array(lens, np.int32),
+      greedy_new_ids=np.array(new_ids, np.int32),
+      greedy_margins=np.array(margins, np.float32),
+  )
+  size = sum(p.stat().st_size for p in out.iterdir())
+  print(
+      f'{spec.name}: logits {logits.shape} std {logits.std():.3f} max|.| {np.abs(logits).max():.3f} softcap effect '
+      f'{softcap_effect:.3f}; greedy min margin {np.min(margins):.4f}, distinct '
+      f'{[len(set(r)) for r in new_ids]}; prompt lens {lens}; checkpoint {size:,d} B, npz {npz.stat().st_size:,d} B'
+  )
+  for prompt, new in zip(prompts, new_ids):
     print(f'  {prompt[:24]!r} -> {hf_tok.decode(new)!r}')
 
 
@@ -2915,6 +3193,7 @@ def main():
           'tiny_gemma3',
           'qwen',
           'dense',
+          'gemma4',
           'gemma3_270m',
           'real_tokenizers',
           'eagle3',
@@ -2947,6 +3226,10 @@ def main():
   if args.only in (None, 'dense'):
     for spec in DENSE_SPECS:
       make_dense(spec)
+  if args.only in (None, 'gemma4'):
+    gemma_tok = build_gemma_bpe_tokenizer()
+    for spec in GEMMA4_SPECS:
+      make_gemma4(spec, gemma_tok)
   if args.only in (None, 'gemma3_270m'):
     make_gemma3_270m()
   if args.only in (None, 'real_tokenizers'):

@@ -35,6 +35,12 @@ def _gemma3() -> Family:
   return Family(gemma3.Gemma3Config.from_hf, gemma3.build, gemma3.params_from_hf)
 
 
+def _gemma4() -> Family:
+  from specjax.models import gemma4
+
+  return Family(gemma4.Gemma4Config.from_hf, gemma4.build, gemma4.params_from_hf)
+
+
 def _llama() -> Family:
   from specjax.models import llama
 
@@ -56,6 +62,8 @@ def _qwen3_5() -> Family:
 ARCHITECTURES: dict[str, Callable[[], Family]] = {
     'gemma3_text': _gemma3,
     'gemma3': _gemma3,
+    'gemma4_text': _gemma4,  # Gemma 4 (KV sharing, per-layer embeddings, MoE)
+    'gemma4': _gemma4,  # Gemma 4 multimodal wrapper: text_config, towers skipped
     'llama': _llama,  # Llama 2 / 3.x (llama3 RoPE scaling)
     'mistral': _llama,  # Mistral (optional sliding window)
     'qwen3': _llama,  # Qwen3 dense (q/k norms)

@@ -50,9 +50,14 @@ class RMSNorm(nnx.Module):
     self.offset = offset
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    y = rms_normalize(x, self.eps)  # float32
     return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:  # [..., D] -> float32 [..., D]
+  """`x * rsqrt(mean(x^2) + eps)` over the last axis in float32: an RMS norm without a weight."""
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 # ---------------------------------------------------------------- rotary embeddings
@@ -288,6 +293,35 @@ class GatedMLP(nnx.Module):
     return jnp.einsum('btf,fd->btd', ACTIVATIONS[self.activation](gate) * up, self.down[...])
 
 
+def routed_experts(
+    x: jax.Array,  # [B, T, D]
+    weights: jax.Array,  # [B, T, X] weights of the chosen experts
+    experts: jax.Array,  # [B, T, X] int chosen experts
+    gate_up: jax.Array,  # [E, D, 2F] gate and up side by side
+    down: jax.Array,  # [E, F, D]
+    activation: str,
+    gather: bool | None = None,
+) -> jax.Array:  # [B, T, D]
+  """Sum over the chosen experts of `weight * down(act(gate(x)) * up(x))`.
+
+  `gather`: read only the chosen experts (default: when tokens x top-k < experts,
+  as in decode and verify); else every expert runs on every token, weighted
+  (prefill).
+  """
+  b, t, x_slots = experts.shape
+  e = gate_up.shape[0]
+  act = ACTIVATIONS[activation]
+  weights = weights.astype(x.dtype)
+  if b * t * x_slots < e if gather is None else gather:
+    gate, up = jnp.split(jnp.einsum('btd,btxdf->btxf', x, gate_up[experts]), 2, axis=-1)
+    y = jnp.einsum('btxf,btxfd->btxd', act(gate) * up, down[experts])
+    return jnp.einsum('btxd,btx->btd', y, weights)
+  combine = jnp.einsum('btxe,btx->bte', jax.nn.one_hot(experts, e, dtype=x.dtype), weights)
+  gate, up = jnp.split(jnp.einsum('btd,edf->btef', x, gate_up), 2, axis=-1)
+  y = jnp.einsum('btef,efd->bted', act(gate) * up, down)
+  return jnp.einsum('bted,bte->btd', y, combine)
+
+
 class MoE(nnx.Module):
   """Top-k routed SwiGLU experts (softmax router), optionally plus a sigmoid-gated shared expert."""
 
@@ -314,22 +348,11 @@ class MoE(nnx.Module):
 
   def __call__(self, x: jax.Array, gather: bool | None = None) -> jax.Array:  # [B, T, D]
     """`gather`: read only the chosen experts (default: when tokens x top-k < experts)."""
-    b, t, _ = x.shape
-    e = self.router.shape[1]
     probs = jax.nn.softmax(jnp.einsum('btd,de->bte', x, self.router[...]).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, self.top_k)  # [B, T, X]
     if self.renormalize:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    weights = weights.astype(x.dtype)
-    if b * t * self.top_k < e if gather is None else gather:  # few tokens (decode, verify)
-      gate, up = jnp.split(jnp.einsum('btd,btxdf->btxf', x, self.gate_up[...][experts]), 2, axis=-1)
-      y = jnp.einsum('btxf,btxfd->btxd', jax.nn.silu(gate) * up, self.down[...][experts])
-      out = jnp.einsum('btxd,btx->btd', y, weights)
-    else:  # many tokens (prefill): every expert on every token, weighted
-      combine = jnp.einsum('btxe,btx->bte', jax.nn.one_hot(experts, e, dtype=x.dtype), weights)
-      gate, up = jnp.split(jnp.einsum('btd,edf->btef', x, self.gate_up[...]), 2, axis=-1)
-      y = jnp.einsum('btef,efd->bted', jax.nn.silu(gate) * up, self.down[...])
-      out = jnp.einsum('bted,bte->btd', y, combine)
+    out = routed_experts(x, weights, experts, self.gate_up[...], self.down[...], 'silu', gather)
     if self.has_shared:
       out = out + jax.nn.sigmoid(jnp.einsum('btd,do->bto', x, self.shared_gate[...])) * self.shared_expert(x)
     return out

@@ -37,7 +37,7 @@ from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInput
 from specjax.models.layers import Attention, AttentionSpec, DecoderBlock, GatedMLP, MoE, RMSNorm, Rope, param
 from specjax.models.mtp import MTPHead
 from specjax.models.transformer import mlp_params
-from specjax.models.weights import tensor_taker
+from specjax.models.weights import tensor_taker, unwrap_language_model
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
 MOE_TYPES = ('qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_next')
@@ -445,18 +445,9 @@ def _block_params(cfg: Qwen35Config, take, tensors, p: str, layer_type: str, moe
   }
 
 
-def _rename_multimodal(tensors: dict[str, np.ndarray]) -> None:
-  """Text-model names for the multimodal wrapper's `model.language_model.*`; drops the vision tower."""
-  for name in list(tensors):
-    if name.startswith('model.language_model.'):
-      tensors['model.' + name[len('model.language_model.') :]] = tensors.pop(name)
-    elif name.startswith(('model.visual.', 'visual.')):
-      del tensors[name]  # the vision tower of the multimodal checkpoints is not used
-
-
 def params_from_hf(cfg: Qwen35Config, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
   """Maps HF-named tensors (text-only or multimodal-wrapper names) to the pure-dict state of `Qwen35`."""
-  _rename_multimodal(tensors)
+  unwrap_language_model(tensors, ('model.visual.', 'visual.'))  # the vision tower is not used
   take = tensor_taker(tensors)
   d = cfg.hidden_size
   moe_layers = cfg.moe_layers or (False,) * cfg.num_layers

@@ -25,6 +25,15 @@ def tensor_taker(tensors: dict[str, np.ndarray]) -> Callable[[str, tuple[int, ..
   return take
 
 
+def unwrap_language_model(tensors: dict[str, np.ndarray], towers: tuple[str, ...]) -> None:
+  """Text-model names for a multimodal wrapper's `model.language_model.*`; drops the tensors under `towers`."""
+  for name in list(tensors):
+    if name.startswith('model.language_model.'):
+      tensors['model.' + name[len('model.language_model.') :]] = tensors.pop(name)
+    elif name.startswith(towers):
+      del tensors[name]
+
+
 class _IdTensors(dict):
   """Stands in for a checkpoint's tensors: `take` hands out arrays of unique element ids."""
 

@@ -1,0 +1,262 @@
+"""Gemma 4: parity with transformers, KV sharing over the paged cache, the wrapper layout, config errors."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import specjax
+from specjax.models.contract import StepInputs
+from conftest import FIXTURES, make_cache
+
+GEMMA4 = ['tiny_gemma4', 'tiny_gemma4_moe']
+SLIDING, FULL = 'sliding_attention', 'full_attention'
+TOL = 1e-4  # of max |want|: two float32 implementations of these tiny models (attention scale 1) differ by
+# ~3e-5 of the logits' range, as far as each is from a float64 run of transformers
+
+
+@pytest.fixture(scope='module', params=GEMMA4)
+def gemma4(request):
+  return specjax.load(f'{FIXTURES}/{request.param}'), np.load(f'{FIXTURES}/{request.param}_reference.npz')
+
+
+@pytest.fixture(scope='module')
+def tiny():
+  return specjax.load(f'{FIXTURES}/tiny_gemma4')
+
+
+def close(got, want, tol=TOL):
+  np.testing.assert_allclose(np.asarray(got), want, atol=tol * np.abs(want).max(), rtol=0)
+
+
+def run_chunks(model, ids, chunks, lens=None, page_size=4):
+  """Feeds `ids` [B, T] through the paged cache in chunks; returns (logits [B, T, V], hidden, cache)."""
+  b, t = ids.shape
+  lens = np.full((b,), t) if lens is None else np.asarray(lens)
+  cache = make_cache(model, b, t, page_size=page_size, shuffle_pages=True)
+  module = model.module()
+  logits, hidden, start = [], [], 0
+  for n in chunks:
+    step_lens = jnp.asarray(np.clip(lens - start, 0, n), jnp.int32)
+    h, cache = module(jnp.asarray(ids[:, start : start + n]), cache, step_lens)
+    logits.append(np.asarray(module.logits(h)))
+    hidden.append(np.asarray(h))
+    start += n
+  assert start == t
+  return np.concatenate(logits, axis=1), np.concatenate(hidden, axis=1), cache
+
+
+def dense_forward(model, ids, lens=None, **kw):
+  b, t = ids.shape
+  lens = jnp.full((b,), t, jnp.int32) if lens is None else jnp.asarray(lens, jnp.int32)
+  return model.module().forward(jnp.asarray(ids), StepInputs.chain(None, lens, t), None, **kw)
+
+
+def test_logits_match_transformers(gemma4):
+  model, ref = gemma4
+  logits, hidden, _ = run_chunks(model, ref['input_ids'], [ref['input_ids'].shape[1]])
+  close(logits, ref['logits'])
+  close(hidden, ref['hidden'])
+  h, none, _ = dense_forward(model, ref['input_ids'])
+  assert none is None
+  close(model.module().logits(h), ref['logits'])
+
+
+def test_greedy_matches_transformers(gemma4):
+  model, ref = gemma4
+  prompts = [list(map(int, row[:n])) for row, n in zip(ref['greedy_prompt_ids'], ref['greedy_prompt_lens'])]
+  results, _ = specjax.Engine(model, page_size=4).generate(prompts, max_new_tokens=16)
+  assert [r.tokens for r in results] == ref['greedy_new_ids'].tolist()
+
+
+def test_chunked_prefill_and_decode_equal_dense(gemma4):
+  """Chunks crossing pages and the window (6), then token by token, over shuffled pages."""
+  model, ref = gemma4
+  ids = ref['input_ids']
+  want = np.asarray(model.module().logits(dense_forward(model, ids)[0]))
+  stepped, _, cache = run_chunks(model, ids, [5, 9, 3] + [1] * 15)
+  close(stepped, want, 2e-5)
+  assert cache.lengths.tolist() == [32, 32]
+
+
+def test_ragged_batch_rows_equal_alone(tiny):
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, 512, (3, 20)).astype(np.int32)
+  lens = [20, 13, 7]
+  got, _, _ = run_chunks(tiny, ids, [8, 8, 4], lens=lens)
+  for row, n in enumerate(lens):
+    alone = np.asarray(tiny.module().logits(dense_forward(tiny, ids[row : row + 1, :n])[0]))[0]
+    close(got[row, :n], alone, 2e-5)
+
+
+def test_shared_layers_own_no_pages(tiny):
+  module = tiny.module()
+  assert module.layer_types == (SLIDING, SLIDING, FULL, SLIDING, SLIDING, SLIDING, FULL)
+  assert module.kv_donors() == {SLIDING: 3, FULL: 2}
+  assert [module.kv_layer(i) for i in range(7)] == [0, 1, 2, 3, 3, 3, 2]
+  assert tiny.kv_shapes == [(2, 16), (2, 16), (2, 32), (2, 16)]  # per-type head dims
+  cache = make_cache(tiny, 1, 8)
+  assert len(cache.k_pages) == len(cache.v_pages) == 4  # layers 4-6 read layers 3 and 2
+  moe = specjax.load(f'{FIXTURES}/tiny_gemma4_moe')
+  assert moe.kv_shapes == [(2, 16), (1, 32), (2, 16), (1, 32)]  # num_global_key_value_heads on full layers
+  assert moe.module().kv_donors() == {SLIDING: 2, FULL: 3}
+
+
+def test_donor_pages_hold_transformers_shared_kv(gemma4):
+  """`cache.k_pages[kv_donors()[type]]` holds what transformers hands its assistant (`shared_kv_states`)."""
+  model, ref = gemma4
+  ids = ref['input_ids']
+  _, _, cache = run_chunks(model, ids, [11, 21])
+  b, t = ids.shape
+  for layer_type, j in model.module().kv_donors().items():
+    short = 'sliding' if layer_type == SLIDING else 'full'
+    for pages, key in ((cache.k_pages[j], 'donor_k'), (cache.v_pages[j], 'donor_v')):
+      pos = np.arange(t)
+      page_ids = np.asarray(cache.block_tables)[:, pos // 4]  # [B, T]
+      got = np.asarray(pages)[:, page_ids, pos % 4]  # [K, B, T, H]
+      close(np.moveaxis(got, 0, 2), ref[f'{key}_{short}'])
+
+
+def test_layer_skip_depths(tiny):
+  """`num_layers` below, at and past the first shared layer: the truncated model, pages of later layers untouched."""
+  ids = np.random.default_rng(1).integers(0, 512, (1, 12)).astype(np.int32)
+  module = tiny.module()
+  _, _, taps = dense_forward(tiny, ids, taps=tuple(range(7)))
+  for n in (2, 4, 6):
+    h, _, _ = dense_forward(tiny, ids, num_layers=n)
+    close(h, np.asarray(module.norm(taps[n - 1])), 1e-6)
+    cache = make_cache(tiny, 1, 12)
+    hp, cache, _ = module.forward(jnp.asarray(ids), StepInputs.chain(cache, jnp.asarray([12]), 12), cache, num_layers=n)
+    close(hp, np.asarray(h), 2e-5)
+    written = [bool(np.any(np.asarray(p))) for p in cache.k_pages]
+    assert written == [j < n for j in range(4)], (n, written)
+
+
+def test_speculative_greedy_equals_autoregressive(tiny):
+  from specjax.drafters import make_drafter
+
+  ref = np.load(f'{FIXTURES}/tiny_gemma4_reference.npz')
+  prompts = [list(map(int, row[:n])) for row, n in zip(ref['greedy_prompt_ids'], ref['greedy_prompt_lens'])]
+  prompts.append(prompts[0] + ref['greedy_new_ids'][0].tolist() + prompts[0])  # repeats: n-gram drafts hit
+  want = [r.tokens for r in specjax.Engine(tiny, page_size=4).generate(prompts, max_new_tokens=16)[0]]
+  for kind, options in (('ngram', {}), ('layer-skip', {'layers': 2}), ('layer-skip', {'layers': 5})):
+    engine = specjax.Engine(tiny, page_size=4, drafter=make_drafter(kind, tiny, **options), max_draft=4)
+    results, _ = engine.generate(prompts, max_new_tokens=16, num_draft=3)
+    assert [r.tokens for r in results] == want, (kind, options)
+
+
+def wrap(src, dst, text_config=None):
+  """`src` as a `Gemma4ForConditionalGeneration` checkpoint: `model.language_model.*`, towers, a `gemma4` config."""
+  shutil.copytree(src, dst)
+  tensors = load_file(str(dst / 'model.safetensors'))
+  wrapped = {name.replace('model.', 'model.language_model.', 1): w for name, w in tensors.items()}
+  wrapped |= {
+      'model.vision_tower.encoder.layers.0.mlp.down_proj.linear.weight': np.ones((4, 4), np.float32),
+      'model.embed_vision.embedding_projection.weight': np.ones((32, 4), np.float32),
+      'model.audio_tower.layers.0.norm.weight': np.ones((4,), np.float32),
+      'model.embed_audio.embedding_projection.weight': np.ones((32, 4), np.float32),
+  }
+  save_file(wrapped, str(dst / 'model.safetensors'))
+  text = json.loads((dst / 'config.json').read_text())
+  config = {
+      'architectures': ['Gemma4ForConditionalGeneration'],
+      'model_type': 'gemma4',
+      'text_config': text_config or text,
+      'vision_config': {'model_type': 'gemma4_vision', 'hidden_size': 4},
+      'audio_config': {'model_type': 'gemma4_audio', 'hidden_size': 4},
+      'tie_word_embeddings': True,
+  }
+  (dst / 'config.json').write_text(json.dumps(config))
+
+
+def test_conditional_generation_layout(tmp_path, tiny):
+  wrap(f'{FIXTURES}/tiny_gemma4', tmp_path / 'wrapped')
+  model = specjax.load(str(tmp_path / 'wrapped'))
+  assert model.architecture == 'gemma4' and model.config == tiny.config
+  ref = np.load(f'{FIXTURES}/tiny_gemma4_reference.npz')
+  close(model.module().logits(dense_forward(model, ref['input_ids'])[0]), ref['logits'])
+
+
+def test_shared_layers_kv_weights_are_ignored(tmp_path, tiny):
+  """Checkpoints may carry k/v weights on KV-shared layers (transformers skips them): so does specjax."""
+  d = tmp_path / 'extra'
+  shutil.copytree(f'{FIXTURES}/tiny_gemma4', d)
+  tensors = load_file(str(d / 'model.safetensors'))
+  tensors['model.layers.5.self_attn.k_proj.weight'] = np.ones((32, 32), np.float32)
+  tensors['model.layers.5.self_attn.k_norm.weight'] = np.ones((16,), np.float32)
+  save_file(tensors, str(d / 'model.safetensors'))
+  assert specjax.load(str(d)).num_params == tiny.num_params
+
+
+def test_transformers5_and_hub_configs_agree(tiny):
+  """tiny_gemma4 has the Hub's `global_head_dim`; the same as transformers 5's `per_layer_config`."""
+  from specjax.models.gemma4 import Gemma4Config
+
+  hub = json.loads(open(f'{FIXTURES}/tiny_gemma4/config.json').read())
+  assert 'global_head_dim' in hub and 'per_layer_config' not in hub
+  new = {k: v for k, v in hub.items() if k != 'global_head_dim'} | {
+      'per_layer_config': {'2': {'head_dim': 32}, '6': {'head_dim': 32}}
+  }
+  assert Gemma4Config.from_hf(new) == tiny.config
+  moe = json.loads(open(f'{FIXTURES}/tiny_gemma4_moe/config.json').read())
+  assert 'per_layer_config' in moe
+  cfg = Gemma4Config.from_hf(moe)
+  assert cfg.kv_heads == (2, 1, 2, 1) and cfg.head_dims == (16, 32, 16, 32) and cfg.attention_k_eq_v
+  # Without k_eq_v transformers ignores num_global_key_value_heads (`per_layer_config` absent).
+  plain = {k: v for k, v in moe.items() if k != 'per_layer_config'} | {
+      'attention_k_eq_v': False,
+      'num_global_key_value_heads': 1,
+      'global_head_dim': 32,
+  }
+  assert Gemma4Config.from_hf(plain).kv_heads == (2, 2, 2, 2)
+
+
+def test_family_facts(tiny):
+  cfg = tiny.config
+  assert cfg.final_logit_softcapping == 30.0 and cfg.sliding_window == 6 and cfg.first_shared == 4
+  assert [cfg.mlp_width(i) for i in range(7)] == [32] * 4 + [64] * 3  # use_double_wide_mlp
+  full = cfg.ropes[2]
+  assert full.kind == 'proportional' and full.rope_angles == 4 and full.base == 1e6  # 0.25 * 32 / 2
+  assert cfg.ropes[0].kind == 'default' and cfg.ropes[0].base == 1e4
+  scalars = [float(tiny.params['layers'][i]['layer_scalar'][...][0]) for i in range(7)]
+  assert min(scalars) < 0.9 and max(scalars) > 1.1
+  module = tiny.module()
+  ids = jnp.asarray([[2, 300]])
+  np.testing.assert_allclose(module.embed(ids), module.lookup(ids) * 32**0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    'change,message',
+    [
+        ({'num_kv_shared_layers': 7}, 'must leave layers'),
+        ({'num_kv_shared_layers': 5}, "is 'full_attention'"),  # layers 0, 1 are both sliding
+        ({'rope_parameters': {SLIDING: {'rope_type': 'yarn', 'factor': 2.0}}}, 'unsupported rope_type'),
+        ({'use_bidirectional_attention': 'all'}, 'non-causal'),
+        ({'attention_bias': True}, 'attention_bias'),
+        ({'num_key_value_heads': 3}, 'multiple of'),
+        ({'per_layer_config': {'2': {'sliding_window': 4}}}, 'per_layer_config sets'),
+        ({'enable_moe_block': True, 'num_experts': 4, 'top_k_experts': 5, 'moe_intermediate_size': 8}, 'top_k'),
+        ({'hidden_activation': 'relu2'}, 'activation'),
+        ({'num_hidden_layers': None}, 'num_hidden_layers'),
+    ],
+)
+def test_config_errors(tmp_path, change, message):
+  d = tmp_path / 'bad'
+  shutil.copytree(f'{FIXTURES}/tiny_gemma4', d)
+  config = json.loads((d / 'config.json').read_text())
+  config = {k: v for k, v in (config | change).items() if v is not None}
+  (d / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(specjax.SpecjaxError, match=message):
+    specjax.load(str(d))
+
+
+def test_wrapper_without_text_config(tmp_path):
+  wrap(f'{FIXTURES}/tiny_gemma4', tmp_path / 'w')
+  config = json.loads((tmp_path / 'w' / 'config.json').read_text())
+  del config['text_config']
+  (tmp_path / 'w' / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(specjax.SpecjaxError, match="gemma4 config: missing key 'text_config'"):
+    specjax.load(str(tmp_path / 'w'))
