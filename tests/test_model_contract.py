@@ -21,10 +21,14 @@ def random_llama(window=None, seed=0):
   return DecoderLM(spec, rngs=nnx.Rngs(seed))
 
 
-@pytest.fixture(scope='module', params=['gemma3', 'llama-window'])
+@pytest.fixture(scope='module', params=['gemma3', 'llama-window', 'gemma4'])
 def module(request):
   if request.param == 'gemma3':
     return specjax.load(TINY).module()
+  if request.param == 'gemma4':  # KV-shared layers read their donors' pages
+    from conftest import FIXTURES
+
+    return specjax.load(f'{FIXTURES}/tiny_gemma4').module()
   return random_llama(window=6)
 
 
