@@ -1,6 +1,7 @@
 """Gemma 4: parity with transformers, KV sharing over the paged cache, the wrapper layout, config errors."""
 
 import json
+import pathlib
 import shutil
 
 import jax
@@ -286,3 +287,116 @@ def test_wrapper_without_text_config(tmp_path):
   (tmp_path / 'w' / 'config.json').write_text(json.dumps(config))
   with pytest.raises(specjax.SpecjaxError, match="gemma4 config: missing key 'text_config'"):
     specjax.load(str(tmp_path / 'w'))
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's `gemma4`)
+
+
+def write_gemma4_gguf(src, path, drop=()):
+  """Converts an HF directory as llama.cpp's `Gemma4Model` does (`conversion/gemma.py`), all tensors float32."""
+  import gguf
+
+  hp = json.loads((src / 'config.json').read_text())
+  full = next(iter((hp.get('per_layer_config') or {}).values()), {})
+  global_head_dim = hp.get('global_head_dim') or full['head_dim']
+  global_kv = hp.get('num_global_key_value_heads') if 'global_head_dim' in hp else full.get('num_key_value_heads')
+  layers, shared, head_dim = hp['num_hidden_layers'], hp['num_kv_shared_layers'], hp['head_dim']
+  swa = [t == SLIDING for t in hp['layer_types']]
+  rope = hp['rope_parameters']
+  w = gguf.GGUFWriter(str(path), 'gemma4')
+  w.add_block_count(layers)
+  w.add_context_length(hp['max_position_embeddings'])
+  w.add_embedding_length(hp['hidden_size'])
+  ff = hp['intermediate_size']
+  w.add_feed_forward_length(
+      [ff * (1 + (i >= layers - shared)) for i in range(layers)] if hp['use_double_wide_mlp'] else ff
+  )
+  w.add_head_count(hp['num_attention_heads'])
+  kv = hp['num_key_value_heads']
+  w.add_head_count_kv(kv if global_kv is None else [kv if s else global_kv for s in swa])
+  w.add_rope_freq_base(rope[FULL]['rope_theta'])
+  w.add_rope_freq_base_swa(rope[SLIDING]['rope_theta'])
+  w.add_layer_norm_rms_eps(hp['rms_norm_eps'])
+  if hp.get('enable_moe_block'):
+    w.add_expert_count(hp['num_experts'])
+    w.add_expert_used_count(hp['top_k_experts'])
+    w.add_expert_feed_forward_length(hp['moe_intermediate_size'])
+  w.add_key_length(global_head_dim)
+  w.add_value_length(global_head_dim)
+  w.add_key_length_swa(head_dim)
+  w.add_value_length_swa(head_dim)
+  w.add_final_logit_softcapping(hp['final_logit_softcapping'])
+  w.add_sliding_window(hp['sliding_window'])
+  w.add_shared_kv_layers(shared)
+  w.add_embedding_length_per_layer_input(hp['hidden_size_per_layer_input'] or 0)
+  w.add_sliding_window_pattern(swa)
+  w.add_rope_dimension_count(global_head_dim)
+  w.add_rope_dimension_count_swa(head_dim)
+  # set_vocab: LlamaHfVocab tokens and types, SpecialVocab merges and ids.
+  tok = json.loads((src / 'tokenizer.json').read_text())
+  vocab = sorted(tok['model']['vocab'].items(), key=lambda kv: kv[1])
+  specials = {t['content'] for t in tok['added_tokens'] if t['special']}
+  w.add_tokenizer_model('gemma4')
+  w.add_token_list([t for t, _ in vocab])
+  w.add_token_scores([-1000.0] * len(vocab))
+  w.add_token_types([6 if t.startswith('<0x') else 3 if t in specials else 1 for t, _ in vocab])
+  w.add_token_merges([' '.join(m) if isinstance(m, list) else m for m in tok['model']['merges']])
+  w.add_bos_token_id(2)
+  w.add_eos_token_id(1)
+  w.add_unk_token_id(3)
+  w.add_pad_token_id(0)
+  w.add_add_space_prefix(False)
+  w.add_add_bos_token(True)
+  # generate_extra_tensors: proportional RoPE as frequency factors of the full layers.
+  rotated = int(global_head_dim * rope[FULL]['partial_rotary_factor'] / 2)
+  w.add_tensor('rope_freqs.weight', np.asarray([1.0] * rotated + [1e30] * (global_head_dim // 2 - rotated), np.float32))
+  names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, layers)
+  for name, values in load_file(str(src / 'model.safetensors')).items():
+    if name.endswith(('router.scale', 'router.per_expert_scale')):
+      part = 'ffn_gate_inp' if name.endswith('router.scale') else 'ffn_down_exps'
+      gguf_name = f'blk.{name.split(".")[2]}.{part}.scale'
+    else:
+      suffix = '' if name.endswith('.weight') else '.weight'  # filter_tensors: layer_scalar, experts.*
+      gguf_name = names.get_name(name + suffix, try_suffixes=('.weight',))
+    if gguf_name.rsplit('.', 1)[0] not in drop:
+      w.add_tensor(gguf_name, values.astype(np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+@pytest.mark.parametrize('name', GEMMA4)
+def test_gguf_equals_hf(tmp_path, name):
+  hf = specjax.load(f'{FIXTURES}/{name}')
+  write_gemma4_gguf(pathlib.Path(FIXTURES) / name, tmp_path / 'model.gguf')
+  model = specjax.load(str(tmp_path / 'model.gguf'))
+  assert model.architecture == 'gemma4_text' and model.config == hf.config
+  assert model.kv_shapes == hf.kv_shapes
+  got, want = jax.tree.leaves(model.params), jax.tree.leaves(hf.params)
+  assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+  assert model.generation.eos_token_ids == (1,) and model.generation.bos_token_id == 2
+  texts = [
+      'The quick brown fox jumps over the lazy dog.',
+      '  two  spaces\tand a tab\n',
+      'def add(a, b):\n    return a + b',
+      'Unseen: naïve café 日本 ẞ',
+      '<start_of_turn>user\nHi<end_of_turn>',
+  ]
+  for text in texts:
+    ids = hf.tokenizer.encode(text)
+    assert model.tokenizer.encode(text) == ids, text
+    assert model.tokenizer.decode(ids, skip_special_tokens=False) == hf.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_gguf_without_layer_scale_and_errors(tmp_path):
+  src = pathlib.Path(FIXTURES) / 'tiny_gemma4'
+  write_gemma4_gguf(src, tmp_path / 'a.gguf', drop={f'blk.{i}.layer_output_scale' for i in range(7)})
+  model = specjax.load(str(tmp_path / 'a.gguf'))
+  assert all(float(model.params['layers'][i]['layer_scalar'][...][0]) == 1.0 for i in range(7))
+  write_gemma4_gguf(src, tmp_path / 'b.gguf', drop={'blk.1.attn_q_norm'})
+  with pytest.raises(specjax.SpecjaxError, match='lacks 1 tensor'):
+    specjax.load(str(tmp_path / 'b.gguf'))
+  write_gemma4_gguf(src, tmp_path / 'c.gguf', drop={'blk.1.attn_k'})
+  with pytest.raises(specjax.SpecjaxError, match="missing weight 'model.layers.1.self_attn.k_proj.weight'"):
+    specjax.load(str(tmp_path / 'c.gguf'))

@@ -475,7 +475,7 @@ def test_unsupported_tensor_type_before_dequantizing(tmp_path, monkeypatch):
 def test_unknown_architecture(tmp_path):
   path = tmp_path / 'phi3.gguf'
   write_gguf(path, arch='phi3')
-  with pytest.raises(SpecjaxError, match=r"architecture 'phi3'.*gemma3, llama, qwen3"):
+  with pytest.raises(SpecjaxError, match=r"architecture 'phi3'.*gemma3, gemma4, llama, qwen3"):
     gguf_loader.load_gguf(str(path))
 
 

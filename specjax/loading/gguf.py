@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp) -> `Checkpoint`; architectures `gemma3`, `llama`, `qwen3`.
+"""GGUF files (llama.cpp) -> `Checkpoint`; architectures `gemma3`, `gemma4`, `llama`, `qwen3`.
 
 The header (metadata and tensor table) is parsed here from a memory map, which
 reads the 262k-entry vocabulary about 50x faster than `gguf.GGUFReader`;
@@ -29,6 +29,43 @@ in its gemma3 loader; transformers 5.24 fills them in too):
 Tensors: the converter stores every `*norm.weight` of gemma3 as `1 + w`; the
 loader subtracts 1 so the model uses the HF `(1 + w)` RMSNorm form. No Q/K
 permutation is applied (Gemma uses NeoX rope).
+
+Gemma 4 (`gemma4`, llama.cpp's `Gemma4Model` converter, `conversion/gemma.py`),
+as an HF `gemma4_text` config with transformers 5's `per_layer_config`:
+
+- `layer_types`: `attention.sliding_window_pattern` (a bool per layer, true =
+  sliding; required, as in llama.cpp). `sliding_window`: its key, else 512.
+- Head dims: `attention.key_length` is the full layers' (`global_head_dim`),
+  `attention.key_length_swa` the sliding layers' (`head_dim`);
+  `rope.dimension_count_swa` must equal the latter.
+- kv heads: `attention.head_count_kv`, one value or one per layer (written when
+  `num_global_key_value_heads` is set): the sliding layers' value is
+  `num_key_value_heads`, each full layer's goes to `per_layer_config`.
+- `intermediate_size`: `feed_forward_length`; a per-layer array twice as wide
+  on the KV-shared layers is `use_double_wide_mlp`.
+- `num_kv_shared_layers`: `attention.shared_kv_layers`, else 0.
+- RoPE: full layers θ `rope.freq_base` (else 1e6), sliding `rope.freq_base_swa`
+  (else 1e4, default RoPE). The converter encodes proportional RoPE as
+  `rope_freqs.weight` (global_head_dim / 2 factors: 1 on the rotated
+  frequencies, 1e30 on the rest): n ones give `proportional` with
+  `partial_rotary_factor` 2n / global_head_dim; without the tensor, default.
+- PLE: `embedding_length_per_layer_input` (0: none); its vocabulary is the
+  rows of `per_layer_token_embd`.
+- `attention_k_eq_v`: some unshared full layer has `attn_k` but no `attn_v`.
+- MoE: `ffn_gate_inp` tensors present; `expert_count`, `expert_used_count`,
+  `expert_feed_forward_length`. Fused `ffn_gate_up_exps` only (what the
+  converter writes from transformers' fused tensor).
+- `final_logit_softcapping`: the key, else None; `max_position_embeddings`:
+  `context_length`; `hidden_activation`: "gelu_pytorch_tanh".
+
+Tensors (`gemma4`): no norm offset (plain-weight norms), no permutation.
+`layer_output_scale` -> `layer_scalar` (1 when absent, as llama.cpp),
+`ffn_gate_inp.scale` -> `router.scale`, `ffn_down_exps.scale` ->
+`router.per_expert_scale`, `ffn_gate_up_exps` / `ffn_down_exps` ->
+`experts.gate_up_proj` / `down_proj` (`[E, 2F, D]` / `[E, D, F]`, gate rows
+first), `pre_ffw_norm_2` / `post_ffw_norm_{1,2}`, PLE `inp_gate`, `proj`,
+`post_norm`, `per_layer_{token_embd,model_proj,proj_norm}`. The tokenizer is
+`tokenizer.ggml.model` "gemma4" (`specjax.loading.tokenizer`).
 
 Llama / Mistral (`llama`) and Qwen3 dense (`qwen3`), from `<arch>.*` metadata:
 
@@ -134,7 +171,34 @@ _GEMMA3_TOP_NAMES = {
     'output_norm': 'model.norm',
     'output': 'lm_head',
 }
-_LAYER_TENSOR = re.compile(r'blk\.(\d+)\.(\w+)\.weight')
+_GEMMA4_LAYER_NAMES = {  # full GGUF -> HF suffixes: some are not `.weight`
+    **{f'{part}.weight': f'{hf}.weight' for part, hf in _GEMMA3_LAYER_NAMES.items()},
+    'layer_output_scale.weight': 'layer_scalar',
+    'inp_gate.weight': 'per_layer_input_gate.weight',
+    'proj.weight': 'per_layer_projection.weight',
+    'post_norm.weight': 'post_per_layer_input_norm.weight',
+    'ffn_gate_inp.weight': 'router.proj.weight',
+    'ffn_gate_inp.scale': 'router.scale',
+    'ffn_down_exps.scale': 'router.per_expert_scale',
+    'ffn_gate_up_exps.weight': 'experts.gate_up_proj',
+    'ffn_down_exps.weight': 'experts.down_proj',
+    'pre_ffw_norm_2.weight': 'pre_feedforward_layernorm_2.weight',
+    'post_ffw_norm_1.weight': 'post_feedforward_layernorm_1.weight',
+    'post_ffw_norm_2.weight': 'post_feedforward_layernorm_2.weight',
+}
+_GEMMA4_TOP_NAMES = _GEMMA3_TOP_NAMES | {
+    'per_layer_token_embd': 'model.embed_tokens_per_layer',
+    'per_layer_model_proj': 'model.per_layer_model_projection',
+    'per_layer_proj_norm': 'model.per_layer_projection_norm',
+}
+# Every Gemma 4 layer has these; the rest depends on the layer (KV sharing, k = v, MoE, PLE).
+_GEMMA4_REQUIRED = frozenset(
+    f'{part}.weight'
+    for part in (
+        'attn_norm attn_q attn_output attn_q_norm post_attention_norm ffn_norm post_ffw_norm ffn_gate ffn_up ffn_down'
+    ).split()
+)
+_LAYER_TENSOR = re.compile(r'blk\.(\d+)\.(\w+\.\w+)')
 
 _LLAMA_LAYER_NAMES = {
     'attn_norm': 'input_layernorm',
@@ -167,14 +231,32 @@ _LLAMA3_ORIGINAL_CONTEXT = (8192, 4096, 16384, 32768, 2048)
 class _Arch:
   """How one GGUF architecture maps to HF names and values."""
 
-  layer_names: dict[str, str]  # `blk.N.<part>` -> HF name under model.layers.N
+  layer_names: dict[str, str]  # `blk.N.<part>.weight` -> HF name under model.layers.N (+ `.weight`)
   norm_offset: bool  # norms stored as 1 + w (Gemma)
   permute_qk: bool  # attn_q / attn_k rows permuted by the converter
   extra: frozenset[str] = frozenset()  # tensors read into the config
+  top_names: dict[str, str] = dataclasses.field(default_factory=lambda: _GEMMA3_TOP_NAMES)
+  full_names: dict[str, str] | None = None  # instead of layer_names: `blk.N.<part>.<suffix>` -> full HF suffix
+  required: frozenset[str] | None = None  # with full_names: the parts every layer has
+
+  def layer_tensors(self) -> dict[str, str]:
+    """`<part>.<suffix>` -> HF suffix of every known per-layer tensor."""
+    if self.full_names is not None:
+      return self.full_names
+    return {f'{part}.weight': f'{hf}.weight' for part, hf in self.layer_names.items()}
 
 
 _ARCHS = {
     'gemma3': _Arch(_GEMMA3_LAYER_NAMES, norm_offset=True, permute_qk=False),
+    'gemma4': _Arch(
+        {},
+        norm_offset=False,
+        permute_qk=False,
+        extra=frozenset({_ROPE_FREQS}),
+        top_names=_GEMMA4_TOP_NAMES,
+        full_names=_GEMMA4_LAYER_NAMES,
+        required=_GEMMA4_REQUIRED,
+    ),
     'llama': _Arch(_LLAMA_LAYER_NAMES, norm_offset=False, permute_qk=True, extra=frozenset({_ROPE_FREQS})),
     'qwen3': _Arch(_QWEN3_LAYER_NAMES, norm_offset=False, permute_qk=False),
 }
@@ -300,6 +382,8 @@ def load_gguf(path: str) -> Checkpoint:
       )
   if arch == 'gemma3':
     config = _gemma3_config(meta, gguf_file.tensors)
+  elif arch == 'gemma4':
+    config = _gemma4_config(meta, gguf_file)
   else:
     config = _dense_config(arch, meta, gguf_file)
   hf_names = _tensor_names(arch, spec, gguf_file.tensors, config['num_hidden_layers'])
@@ -315,6 +399,9 @@ def load_gguf(path: str) -> Checkpoint:
       heads = config['num_attention_heads' if '.attn_q.' in gguf_name else 'num_key_value_heads']
       values = _unpermute_rope_rows(values, heads, gguf_name)
     tensors[hf_name] = values
+  if arch == 'gemma4':  # llama.cpp takes a missing layer_output_scale as 1, as does transformers' init
+    for i in range(config['num_hidden_layers']):
+      tensors.setdefault(f'model.layers.{i}.layer_scalar', np.ones((1,), np.float32))
   return Checkpoint(
       config=config,
       tensors=tensors,
@@ -375,16 +462,7 @@ def _gemma3_config(meta: dict[str, Any], tensors: dict[str, _TensorInfo]) -> dic
     return meta[f'gemma3.{key}']
 
   hidden, layers, heads, head_dim = _dimensions(tensors, need, get)
-
-  pattern = get('attention.sliding_window_pattern', 6)
-  if isinstance(pattern, list):
-    if len(pattern) != layers:
-      raise SpecjaxError(f'gemma3.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers')
-    sliding = [bool(s) for s in pattern]
-    pattern = next((i + 1 for i, s in enumerate(sliding) if not s), layers)
-  else:
-    pattern = int(pattern)
-    sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+  pattern, sliding = _sliding_layers('gemma3', get('attention.sliding_window_pattern', 6), layers)
 
   rope_scaling = None
   if get('rope.scaling.type') == 'linear':
@@ -407,6 +485,101 @@ def _gemma3_config(meta: dict[str, Any], tensors: dict[str, _TensorInfo]) -> dic
       'final_logit_softcapping': (None if final_softcap is None else _f32(final_softcap)),
       'attn_logit_softcapping': (None if attn_softcap is None else _f32(attn_softcap)),
       'max_position_embeddings': int(get('context_length', 32768)),
+  }
+
+
+def _sliding_layers(arch: str, pattern: int | list, layers: int) -> tuple[int, list[bool]]:
+  """(period, per-layer sliding flags) of `attention.sliding_window_pattern`: a period or a bool per layer."""
+  if isinstance(pattern, list):
+    if len(pattern) != layers:
+      raise SpecjaxError(f'{arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers')
+    sliding = [bool(s) for s in pattern]
+    return next((i + 1 for i, s in enumerate(sliding) if not s), layers), sliding
+  return int(pattern), [(i + 1) % int(pattern) != 0 for i in range(layers)]
+
+
+def _gemma4_config(meta: dict[str, Any], gguf_file: _GGUFFile) -> dict[str, Any]:
+  """HF `Gemma4TextConfig` keys from `gemma4.*` metadata and tensors (rules: `load_gguf`'s docstring)."""
+  tensors = gguf_file.tensors
+
+  def get(key: str, default: Any = None) -> Any:
+    return meta.get(f'gemma4.{key}', default)
+
+  def need(key: str) -> Any:
+    if f'gemma4.{key}' not in meta:
+      raise SpecjaxError(f'GGUF metadata lacks gemma4.{key}')
+    return meta[f'gemma4.{key}']
+
+  def scalar(read):  # per-layer arrays are resolved below
+    return lambda key, *default: (v[0] if isinstance(v := read(key, *default), list) else v)
+
+  hidden, layers, heads, global_head_dim = _dimensions(tensors, scalar(need), scalar(get))
+  head_dim = int(get('attention.key_length_swa', global_head_dim))
+  if int(get('rope.dimension_count_swa', head_dim)) != head_dim:
+    raise SpecjaxError('GGUF metadata gemma4.rope.dimension_count_swa: partial RoPE on sliding layers is not supported')
+  _, sliding = _sliding_layers('gemma4', need('attention.sliding_window_pattern'), layers)
+  shared = int(get('attention.shared_kv_layers', 0))
+
+  def per_layer(key: str, default: Any) -> list[int]:
+    value = get(key, default)
+    if isinstance(value, list) and len(value) != layers:
+      raise SpecjaxError(f'GGUF metadata gemma4.{key} has {len(value)} entries for {layers} layers')
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
+
+  kv = per_layer('attention.head_count_kv', heads)
+  kv_sliding = {k for k, s in zip(kv, sliding) if s}
+  if len(kv_sliding) > 1:
+    raise SpecjaxError(f'GGUF metadata gemma4.attention.head_count_kv varies across sliding layers ({kv})')
+  ff = per_layer('feed_forward_length', None) if get('feed_forward_length') is not None else None
+  if ff is None:
+    raise SpecjaxError('GGUF metadata lacks gemma4.feed_forward_length')
+  first_shared = layers - shared
+  double_wide = ff != [ff[0]] * layers
+  if double_wide and ff != [ff[0] if i < first_shared else 2 * ff[0] for i in range(layers)]:
+    raise SpecjaxError(f'GGUF metadata gemma4.feed_forward_length varies across layers ({ff}) other than double-wide')
+
+  full_rope = {'rope_type': 'default', 'rope_theta': _f32(get('rope.freq_base', 1_000_000.0))}
+  if (info := tensors.get(_ROPE_FREQS)) is not None:  # 1 on rotated frequencies, 1e30 on the others
+    factors = _dequantize(gguf_file.raw(info), info.qtype, info.shape)
+    rotated = int(np.sum(factors == 1.0))
+    if info.shape != (global_head_dim // 2,) or np.any(factors[:rotated] != 1.0) or np.any(factors[rotated:] < 1e20):
+      raise SpecjaxError(f'GGUF tensor {_ROPE_FREQS} is not a proportional-RoPE mask (ones, then 1e30)')
+    full_rope |= {'rope_type': 'proportional', 'partial_rotary_factor': 2 * rotated / global_head_dim}
+  experts = 'blk.0.ffn_gate_inp.weight' in tensors
+  k_eq_v = any(
+      not sliding[i] and f'blk.{i}.attn_k.weight' in tensors and f'blk.{i}.attn_v.weight' not in tensors
+      for i in range(first_shared)
+  )
+  ple = int(get('embedding_length_per_layer_input', 0))
+  final_softcap = get('final_logit_softcapping')
+  keys = _decoder_keys(meta, tensors, scalar(need), scalar(get), hidden, layers, heads, head_dim)
+  return {
+      'architectures': ['Gemma4ForCausalLM'],
+      'model_type': 'gemma4_text',
+      **keys,
+      'intermediate_size': ff[0],
+      'num_key_value_heads': kv_sliding.pop() if kv_sliding else heads,
+      'per_layer_config': {
+          str(i): {'head_dim': global_head_dim, 'num_key_value_heads': kv[i]} for i in range(layers) if not sliding[i]
+      },
+      'layer_types': ['sliding_attention' if s else 'full_attention' for s in sliding],
+      'sliding_window': int(get('attention.sliding_window', 512)),
+      'rope_parameters': {
+          'sliding_attention': {'rope_type': 'default', 'rope_theta': _f32(get('rope.freq_base_swa', 10_000.0))},
+          'full_attention': full_rope,
+      },
+      'final_logit_softcapping': None if final_softcap is None else _f32(final_softcap),
+      'hidden_activation': 'gelu_pytorch_tanh',
+      'max_position_embeddings': int(get('context_length', 131072)),
+      'num_kv_shared_layers': shared,
+      'use_double_wide_mlp': double_wide,
+      'hidden_size_per_layer_input': ple,
+      'vocab_size_per_layer_input': tensors['per_layer_token_embd.weight'].shape[0] if ple else None,
+      'attention_k_eq_v': k_eq_v,
+      'enable_moe_block': experts,
+      'num_experts': int(need('expert_count')) if experts else None,
+      'top_k_experts': int(need('expert_used_count')) if experts else None,
+      'moe_intermediate_size': int(need('expert_feed_forward_length')) if experts else None,
   }
 
 
@@ -442,23 +615,24 @@ def _tensor_names(arch: str, spec: _Arch, tensors: dict[str, _TensorInfo], layer
 
   Tensors in `spec.extra` are read into the config and get no HF name.
   """
-  names = {}
+  names, layer_tensors = {}, spec.layer_tensors()
   for gguf_name in tensors:
     if gguf_name in spec.extra:
       continue
-    top = _GEMMA3_TOP_NAMES.get(gguf_name.removesuffix('.weight'))
+    top = spec.top_names.get(gguf_name.removesuffix('.weight'))
     if m := _LAYER_TENSOR.fullmatch(gguf_name):
       layer, part = int(m.group(1)), m.group(2)
-      if layer < layers and part in spec.layer_names:
-        names[gguf_name] = f'model.layers.{layer}.{spec.layer_names[part]}.weight'
+      if layer < layers and part in layer_tensors:
+        names[gguf_name] = f'model.layers.{layer}.{layer_tensors[part]}'
         continue
     elif top is not None and gguf_name.endswith('.weight'):
       names[gguf_name] = f'{top}.weight'
       continue
     raise SpecjaxError(f'unexpected tensor {gguf_name} in a {arch} GGUF file')
 
+  required = layer_tensors if spec.required is None else spec.required
   expected = {'token_embd.weight', 'output_norm.weight'} | {
-      f'blk.{i}.{part}.weight' for i in range(layers) for part in spec.layer_names
+      f'blk.{i}.{part}' for i in range(layers) for part in required
   }
   if missing := sorted(expected - set(tensors)):
     raise SpecjaxError(f'{arch} GGUF file lacks {len(missing)} tensor(s), e.g. {missing[0]}')

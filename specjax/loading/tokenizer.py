@@ -19,6 +19,10 @@ ids as transformers 5.24's `AutoTokenizer`:
   embedding table; those are not added here. `tokenizer.ggml.add_space_prefix`
   is ignored, as transformers ignores it (Mistral's SentencePiece files take
   this path too: "▁" prefix, BOS per add_bos_token).
+- GGUF, `tokenizer.ggml.model == "gemma4"` (Gemma 4: llama.cpp's converter
+  copies tokenizer.json's vocabulary and merges, `LlamaHfVocab`): the same
+  byte-fallback BPE as the Gemma SentencePiece files above, with the file's
+  merges (split like "gpt2" ones, below) and pieces as stored.
 - GGUF, `tokenizer.ggml.model == "gpt2"` (byte-level BPE: Llama 3, Qwen2/3):
   the BPE of the file's tokens and `tokenizer.ggml.merges` ("left right",
   split at the first space after the first character, as llama.cpp does),
@@ -150,10 +154,10 @@ class Tokenizer:
     as `specjax.loading.gguf.read_gguf_metadata` returns them.
     """
     kind = fields.get('tokenizer.ggml.model')
-    if kind not in ('llama', 'gpt2'):
+    if kind not in ('llama', 'gpt2', 'gemma4'):
       raise SpecjaxError(
           f'unsupported GGUF tokenizer model {kind!r}'
-          ' (supported: "llama", i.e. SentencePiece; "gpt2", byte-level BPE)'
+          ' (supported: "llama", i.e. SentencePiece; "gpt2", byte-level BPE; "gemma4", Gemma 4\'s BPE)'
       )
     tokens = list(fields.get('tokenizer.ggml.tokens') or ())
     if not tokens:
@@ -171,8 +175,9 @@ class Tokenizer:
       backend, pieces = _byte_level_backend(tokens, fields.get('tokenizer.ggml.merges') or (), _BYTE_PRE[pre])
       default_specials = ()
       add_bos_default = _BYTE_PRE[pre].add_bos
-    elif arch in _GEMMA_ARCHS:
-      backend, pieces = _gemma_backend(tokens)
+    elif kind == 'gemma4' or arch in _GEMMA_ARCHS:
+      merges = _merge_pairs(fields.get('tokenizer.ggml.merges') or ()) if kind == 'gemma4' else None
+      backend, pieces = _gemma_backend(tokens, merges)
       default_specials = ('<bos>', '<eos>', '<unk>', '<pad>', '<mask>')
     else:
       scores = list(fields.get('tokenizer.ggml.scores') or ())
@@ -371,21 +376,32 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[st
 
 def _gemma_backend(
     tokens: Sequence[str],
+    merges: list[tuple[str, str]] | None = None,
 ) -> tuple[tokenizers.Tokenizer, list[str]]:
-  """Gemma's SentencePiece as a byte-fallback BPE (no prefix space)."""
-  # GGUF stores runs of spaces as " " but the model pieces use "▁".
-  pieces = ['\u2581' * len(t) if ' ' in t and not t.strip() else t for t in tokens]
-  # Gemma's scores do not follow merge order; the vocabulary position does.
-  merges = _spm_merges(pieces, [-i for i in range(len(pieces))])
-  backend = tokenizers.Tokenizer(
-      models.BPE(
-          vocab={t: i for i, t in enumerate(pieces)},
-          merges=merges,
-          unk_token='<unk>',
-          fuse_unk=True,
-          byte_fallback=True,
-      )
-  )
+  """Gemma's tokenizer as a byte-fallback BPE (no prefix space), transformers' `GemmaTokenizer`.
+
+  `merges` (Gemma 4's `gemma4` files store them): the file's tokens and merges
+  as they are. Without (SentencePiece files of Gemma 1-3): merges rebuilt from
+  the vocabulary, and whitespace-only pieces respelled with "▁".
+  """
+  if merges is None:
+    # GGUF stores runs of spaces as " " but the model pieces use "▁".
+    pieces = ['\u2581' * len(t) if ' ' in t and not t.strip() else t for t in tokens]
+    # Gemma's scores do not follow merge order; the vocabulary position does.
+    merges = _spm_merges(pieces, [-i for i in range(len(pieces))])
+  else:
+    pieces = list(tokens)
+  try:
+    model = models.BPE(
+        vocab={t: i for i, t in enumerate(pieces)},
+        merges=merges,
+        unk_token='<unk>',
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+  except Exception as e:  # the Rust library raises plain Exceptions
+    raise SpecjaxError(f'cannot build the GGUF BPE tokenizer: {e}') from None
+  backend = tokenizers.Tokenizer(model)
   backend.normalizer = normalizers.Replace(' ', '\u2581')
   backend.pre_tokenizer = pre_tokenizers.Split(' ', behavior='merged_with_previous')
   backend.decoder = decoders.Sequence([decoders.Replace('\u2581', ' '), decoders.ByteFallback(), decoders.Fuse()])
@@ -409,10 +425,8 @@ def _llama_backend(tokens: Sequence[str], scores: Sequence[float]) -> tuple[toke
   return backend, list(tokens)
 
 
-def _byte_level_backend(
-    tokens: Sequence[str], merges: Sequence[str], pre: _BytePre
-) -> tuple[tokenizers.Tokenizer, list[str]]:
-  """GPT-2 style byte-level BPE (Llama 3, Qwen2/3), as HF's tokenizer.json."""
+def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, str]]:
+  """`tokenizer.ggml.merges` ("left right") as pairs, split as llama.cpp does."""
   pairs = []
   for merge in merges:
     split = merge.find(' ', 1)  # llama.cpp: a left part may start with " "
@@ -421,6 +435,14 @@ def _byte_level_backend(
     pairs.append((merge[:split], merge[split + 1 :]))
   if not pairs:
     raise SpecjaxError('GGUF metadata has no tokenizer.ggml.merges')
+  return pairs
+
+
+def _byte_level_backend(
+    tokens: Sequence[str], merges: Sequence[str], pre: _BytePre
+) -> tuple[tokenizers.Tokenizer, list[str]]:
+  """GPT-2 style byte-level BPE (Llama 3, Qwen2/3), as HF's tokenizer.json."""
+  pairs = _merge_pairs(merges)
   try:
     model = models.BPE(
         vocab={t: i for i, t in enumerate(tokens)},
