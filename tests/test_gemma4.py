@@ -255,6 +255,52 @@ def test_family_facts(tiny):
   np.testing.assert_allclose(module.embed(ids), module.lookup(ids) * 32**0.5, rtol=1e-6)
 
 
+def test_window_is_counted_like_transformers(tmp_path):
+  """Window 6 matches transformers (keys with q - k < 6); 5 or 7 would not, so the parity test pins the count."""
+  ref = np.load(f'{FIXTURES}/tiny_gemma4_reference.npz')
+  for window in (5, 7):
+    d = tmp_path / f'w{window}'
+    shutil.copytree(f'{FIXTURES}/tiny_gemma4', d)
+    config = json.loads((d / 'config.json').read_text())
+    (d / 'config.json').write_text(json.dumps(config | {'sliding_window': window}))
+    off = np.abs(dense_logits(specjax.load(str(d)), ref['input_ids']) - ref['logits']).max()
+    assert off > 100 * TOL * np.abs(ref['logits']).max(), (window, off)
+
+
+def test_e4b_config_facts():
+  """google/gemma-4-E4B-it's text_config (shared/reference/models.md 2.1): donors 22 and 23, 24 cached layers."""
+  from specjax.models.gemma4 import Gemma4Config
+
+  cfg = Gemma4Config.from_hf(
+      {
+          'model_type': 'gemma4',
+          'text_config': {
+              'model_type': 'gemma4_text',
+              'hidden_size': 2560,
+              'intermediate_size': 10240,
+              'num_hidden_layers': 42,
+              'num_attention_heads': 8,
+              'num_key_value_heads': 2,
+              'head_dim': 256,
+              'global_head_dim': 512,
+              'num_global_key_value_heads': None,
+              'layer_types': ([SLIDING] * 5 + [FULL]) * 7,
+              'num_kv_shared_layers': 18,
+              'hidden_size_per_layer_input': 256,
+              'final_logit_softcapping': 30.0,
+              'rope_parameters': {
+                  SLIDING: {'rope_type': 'default', 'rope_theta': 10000.0},
+                  FULL: {'rope_type': 'proportional', 'partial_rotary_factor': 0.25, 'rope_theta': 1000000.0},
+              },
+          },
+      }
+  )
+  assert cfg.first_shared == 24 and cfg.donors == {SLIDING: 22, FULL: 23}
+  assert cfg.vocab_size == cfg.vocab_size_per_layer_input == 262144 and cfg.sliding_window == 512
+  assert (cfg.kv_heads[5], cfg.head_dims[5], cfg.head_dims[0]) == (2, 512, 256)
+  assert cfg.ropes[5].rope_angles == 64 and cfg.ropes[5].inv_freq(512)[64:].max() == 0.0
+
+
 @pytest.mark.parametrize(
     'change,message',
     [
