@@ -133,11 +133,9 @@ class Gemma4Config:
     model_type = hf.get('model_type')
     where = f'{model_type} config'
     try:
-      if model_type == 'gemma4':
-        hf = hf['text_config']
-      for flag in ('attention_bias',):
-        if hf.get(flag):
-          raise SpecjaxError(f'{where}: {flag}=true is not supported')
+      outer, hf = hf, hf['text_config'] if model_type == 'gemma4' else hf
+      if hf.get('attention_bias'):
+        raise SpecjaxError(f'{where}: attention_bias=true is not supported')
       if hf.get('use_bidirectional_attention') == 'all':
         raise SpecjaxError(f'{where}: use_bidirectional_attention="all" (a non-causal model) is not supported')
       act = hf.get('hidden_activation') or hf.get('hidden_act') or 'gelu_pytorch_tanh'
@@ -157,6 +155,7 @@ class Gemma4Config:
       rope_params = hf.get('rope_parameters') or DEFAULT_ROPE
       ropes = tuple(_rope(rope_params.get(t), t, h, where) for t, h in zip(layer_types, head_dims))
       experts = int(hf.get('num_experts') or 0) if hf.get('enable_moe_block') else 0
+      moe_width = int(hf.get('moe_intermediate_size') or hf.get('expert_intermediate_size') or 0)
       ple = int(hf.get('hidden_size_per_layer_input', 256) or 0)
       cfg = cls(
           vocab_size=int(hf.get('vocab_size', 262_144)),
@@ -172,7 +171,7 @@ class Gemma4Config:
           rms_norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
           final_logit_softcapping=hf.get('final_logit_softcapping'),
           hidden_activation=act,
-          tie_word_embeddings=bool(hf.get('tie_word_embeddings', True)),
+          tie_word_embeddings=bool(hf.get('tie_word_embeddings', outer.get('tie_word_embeddings', True))),
           max_position_embeddings=int(hf.get('max_position_embeddings', 131072)),
           num_kv_shared_layers=int(hf.get('num_kv_shared_layers') or 0),
           hidden_size_per_layer_input=ple,
@@ -181,7 +180,7 @@ class Gemma4Config:
           use_double_wide_mlp=bool(hf.get('use_double_wide_mlp', False)),
           num_experts=experts,
           top_k_experts=int(hf.get('top_k_experts') or 0) if experts else 0,
-          moe_intermediate_size=int(hf.get('moe_intermediate_size') or 0) if experts else 0,
+          moe_intermediate_size=moe_width if experts else 0,
       )
     except KeyError as e:
       raise SpecjaxError(f'{where}: missing key {e.args[0]!r}') from None
