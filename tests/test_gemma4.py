@@ -12,7 +12,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import specjax
-from specjax.models.contract import StepInputs
+from specjax.models.contract import PagedKV, StepInputs
 from conftest import FIXTURES, make_cache
 
 GEMMA4 = ['tiny_gemma4', 'tiny_gemma4_moe']
@@ -241,6 +241,30 @@ def test_transformers5_and_hub_configs_agree(tiny):
   assert Gemma4Config.from_hf(plain).kv_heads == (2, 2, 2, 2)
 
 
+def test_assistant_drafts_over_the_targets_donor_pages():
+  """main's Gemma 4 assistant reads `cache.k_pages[kv_donors()[type]]` of this target: transformers' drafts."""
+  from specjax.loading.gemma4_assistant import load_gemma4_assistant
+
+  ref = np.load(f'{FIXTURES}/tiny_gemma4_assistant_reference.npz')
+  target = specjax.load(f'{FIXTURES}/tiny_gemma4_for_assistant', dtype='float32')
+  assistant = load_gemma4_assistant(f'{FIXTURES}/tiny_gemma4_assistant', dtype='float32').module()
+  ids, lens = ref['input_ids'], ref['input_lens']
+  _, hidden, cache = run_chunks(target, np.maximum(ids, 0), [8, 12], lens=lens)
+  last = hidden[np.arange(len(lens)), lens - 1]
+  close(last, ref['target_hidden'])
+  module = target.module()
+  close(module.logits(jnp.asarray(last)), ref['target_last_logits'])
+  donors = {}
+  for layer_type, j in module.kv_donors().items():
+    donors[layer_type] = PagedKV(cache.k_pages[j], cache.v_pages[j], cache.block_tables, cache.lengths)
+  tokens, h, positions, drafts = ref['first_token'], jnp.asarray(last)[:, None], jnp.asarray(lens)[:, None], []
+  for _ in range(ref['centroid_drafts'].shape[1]):
+    out, h = assistant.forward(module.embed(jnp.asarray(tokens)[:, None]), h, positions, donors)
+    tokens = np.asarray(jnp.argmax(assistant.logits(out[:, 0]), axis=-1))
+    drafts.append(tokens)
+  np.testing.assert_array_equal(np.stack(drafts, axis=1), ref['centroid_drafts'])
+
+
 def test_family_facts(tiny):
   cfg = tiny.config
   assert cfg.final_logit_softcapping == 30.0 and cfg.sliding_window == 6 and cfg.first_shared == 4
@@ -253,6 +277,8 @@ def test_family_facts(tiny):
   module = tiny.module()
   ids = jnp.asarray([[2, 300]])
   np.testing.assert_allclose(module.embed(ids), module.lookup(ids) * 32**0.5, rtol=1e-6)
+  h = module.embed(ids)
+  np.testing.assert_allclose(module.logits(h, jnp.asarray([7, 300])), module.logits(h)[..., [7, 300]], rtol=1e-6)
 
 
 def test_window_is_counted_like_transformers(tmp_path):

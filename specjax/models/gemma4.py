@@ -491,8 +491,11 @@ class Gemma4(ChainAppend, nnx.Module):
       cache = dataclasses.replace(cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens)
     return self.norm(x), cache, tuple(tapped[i] for i in taps)
 
-  def logits(self, hidden: jax.Array) -> jax.Array:  # [..., D] -> [..., V]
+  def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:  # [..., D] -> [..., V]
+    """Softcapped logits; with `ids` [V'] only those vocabulary columns ([..., V']: a training draft vocabulary)."""
     head = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+    if ids is not None:
+      head = jnp.take(head, ids, axis=1)
     logits = jnp.einsum('...d,dv->...v', hidden, head)
     cap = self.cfg.final_logit_softcapping
     if cap:
