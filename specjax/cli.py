@@ -274,8 +274,8 @@ def cmd_run(args) -> int:
   if args.max_new_tokens < 1:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
   model, engine, options = load_engine(args)
-  if args.n_predict is None:  # the family's default, capped by what the drafter drafts (e.g. a block size)
-    k = min(k, engine.max_draft)
+  if args.n_predict is None:  # the checkpoint's or family's default, capped by what the drafter drafts
+    k = min(engine.drafter.default_depth or k, engine.max_draft)
   depth = k
   if args.policy or os.environ.get('SPECJAX_POLICY'):
     from specjax.policies import make_policy

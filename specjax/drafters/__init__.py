@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from specjax.drafters import dflash, draft_model, eagle3, layer_skip, mtp, ngram
+from specjax.drafters import dflash, draft_model, eagle3, gemma4_assistant, layer_skip, mtp, ngram
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.drafters.dflash import DFlashDrafter
 from specjax.drafters.draft_model import DraftModelDrafter, check_compatible
 from specjax.drafters.eagle3 import Eagle3Drafter
+from specjax.drafters.gemma4_assistant import Gemma4AssistantDrafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.mtp import MTPDrafter, check_mtp_target
 from specjax.drafters.ngram import NgramDrafter
@@ -19,6 +20,7 @@ register(layer_skip.FAMILY)
 register(mtp.FAMILY)
 register(eagle3.FAMILY)
 register(dflash.FAMILY)
+register(gemma4_assistant.FAMILY)
 
 __all__ = [
     'BatchPlan',
@@ -28,6 +30,7 @@ __all__ = [
     'DrafterFamily',
     'DraftModelDrafter',
     'Eagle3Drafter',
+    'Gemma4AssistantDrafter',
     'LayerSkipDrafter',
     'MTPDrafter',
     'NgramDrafter',

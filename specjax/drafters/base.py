@@ -86,6 +86,7 @@ class Drafter:
   reads_hidden: bool = False  # prefill / commit get the target's final hidden states
   max_depth: int = 16
   tree_tokens: int = 0  # drafts per tree step (0: chains of K drafts)
+  default_depth: int | None = None  # K its checkpoint asks for (e.g. num_assistant_tokens); None: the engine's
 
   def verify_width(self, k: int) -> int:
     """Positions one verify pass writes at depth K (the last token and the drafts)."""

@@ -31,9 +31,11 @@ def checkpoint_option() -> Any:
       '--mtp-model',
       type=str,
       help='the drafter checkpoint: a draft model (draft-model; same forms as -m), an EAGLE-3 head (eagle3), a '
-      'DFlash draft (dflash) or a trained MTP head (mtp; the export/ of specjax train), '
+      'DFlash draft (dflash), a Gemma 4 assistant (gemma4-assistant) or a trained MTP head (mtp; the export/ of '
+      'specjax train), '
       'as a path or hub id (a loaded object in Python); --mtp-model is the mistral.rs spelling; without '
-      '--drafter, a local EAGLE-3 or DFlash checkpoint selects its family from config.json architectures',
+      '--drafter, a local EAGLE-3, DFlash or Gemma 4 assistant checkpoint selects its family from config.json '
+      'architectures',
   )
 
 
@@ -44,6 +46,7 @@ ARCHITECTURE_FAMILIES = {
     'LlamaForCausalLMEagle3': 'eagle3',
     'Eagle3LlamaForCausalLM': 'eagle3',
     'Eagle3Speculator': 'eagle3',
+    'Gemma4AssistantForCausalLM': 'gemma4-assistant',
 }
 
 

@@ -264,6 +264,11 @@ class Engine:
 
     return profiled
 
+  def default_depth(self) -> int:
+    """K when none is given: the drafter's own default (a checkpoint's), capped by `max_draft`; else `max_draft`."""
+    own = self.drafter.default_depth if self.drafter else None
+    return min(own, self.max_draft) if own else self.max_draft
+
   def check_depth(self, k: int) -> None:
     """K = 0 is plain decoding; otherwise 1 <= K <= max_draft."""
     if k < 0:
@@ -288,7 +293,8 @@ class Engine:
     """Generates for a batch of prompts (texts or token ids).
 
     `num_draft` is the draft depth K of each speculative step (default: the
-    engine's `max_draft` when it has a drafter; 0 forces plain decoding), or a
+    drafter's own `default_depth` when its checkpoint names one, else the
+    engine's `max_draft`, when it has a drafter; 0 forces plain decoding), or a
     `specjax.policies.Policy` that picks K before every step from its
     candidates (each compiled once, ahead of the decode clock). `policy_state`
     continues a policy's state from an earlier call (`stats.policy_state`), so
@@ -307,7 +313,7 @@ class Engine:
     if isinstance(num_draft, Policy):
       policy = num_draft
     else:
-      k = self.max_draft if num_draft is None else num_draft
+      k = self.default_depth() if num_draft is None else num_draft
       self.check_depth(k)
       policy = Fixed(k) if k else None
     depths = policy.candidates if policy else (0,)
