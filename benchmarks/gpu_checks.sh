@@ -6,7 +6,9 @@
 # 2. the engine with impl="pallas" gives the XLA path's tokens;
 # 3. benchmarks/paged_attention.py (kernel vs XLA vs jax's one-query kernel);
 # 4. benchmarks/tree_step.py (chain vs 16/32/64-node tree steps, EAGLE-3 head on Gemma 3 270M, bf16), and the
-#    tree / EAGLE-3 tests on the GPU.
+#    tree / EAGLE-3 tests on the GPU;
+# 5. the Gemma 4, assistant and DFlash 1 / 2 tests on the GPU (the Triton kernel with head dims 16 / 32, Gemma 4's
+#    per-type head dims) and benchmarks/draft_cost.py at the full 262144 vocabulary.
 set -uo pipefail
 out=${1:-gpu_checks_out}
 mkdir -p "$out"
@@ -20,3 +22,6 @@ $py benchmarks/paged_attention.py --batch 1 8 64 --context 4096 32768 --queries 
     --json "$out/paged_attention.json" 2>&1 | tee "$out/paged_attention.log"
 $py -m pytest -q -p no:cacheprovider tests/test_tree_speculative.py tests/test_eagle3.py 2>&1 | tee "$out/tree_tests.log"
 $py benchmarks/tree_step.py --rounds 3 --json "$out/tree_step.json" 2>&1 | tee "$out/tree_step.log"
+$py -m pytest -q -p no:cacheprovider tests/test_gemma4.py tests/test_gemma4_assistant.py tests/test_dflash.py \
+    tests/test_dflash2.py 2>&1 | tee "$out/drafter_tests.log"
+$py benchmarks/draft_cost.py --vocab 262144 --rounds 3 --json "$out/draft_cost.json" 2>&1 | tee "$out/draft_cost.log"
