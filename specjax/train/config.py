@@ -33,7 +33,9 @@ def base_config() -> ml_collections.ConfigDict:
               'kind': 'mtp',  # mtp | eagle3 | dflash
               'layers': 1,  # decoder layers of the drafter (mtp: 1)
               'draft_vocab_size': 32000,  # eagle3: top-N target tokens of the training data
-              'block_size': 16,  # dflash
+              'block_size': 16,  # dflash: rows of a block (the anchor and block_size - 1 masks)
+              'anchors': 512,  # dflash: blocks per packed row (random anchors, SpecForge's 512)
+              'mask_token_id': None,  # dflash: None: the tokenizer's mask token, a spare embedding row, pad or unk
               'target_layer_ids': [],  # taps (eagle3, dflash); empty: the family's default
           },
           'data': {
@@ -63,6 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
               'seed': 0,
               'ttt_steps': 7,  # training-time-test unroll (eagle3, mtp)
               'ttt_decay': 0.8,  # weight of step i: decay^i
+              'dflash_gamma': 7.0,  # dflash: block row k weighted exp(-(k - 1) / gamma) (SpecForge: 7 for B 16, 4 for B 8)
               'loss_chunk': 256,  # rows per chunk of the vocabulary projection
               'log_every': 10,
               'save_every': 100,
@@ -79,7 +82,14 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 _SCHEMA = _flatten(base_config().to_dict())
-_NULLABLE = {'target.dtype': str, 'data.path': str, 'data.limit': int, 'data.cache_dir': str, 'eval.prompts': str}
+_NULLABLE = {
+    'drafter.mask_token_id': int,
+    'target.dtype': str,
+    'data.path': str,
+    'data.limit': int,
+    'data.cache_dir': str,
+    'eval.prompts': str,
+}
 _CHOICES = {
     'drafter.kind': KINDS,
     'target.dtype': ('float32', 'bfloat16', 'float16'),
@@ -168,9 +178,13 @@ def resolve(config, overrides: Iterable[str] | dict | None = None) -> TrainConfi
 
 def _check_ranges(v: dict) -> None:
   positive = ('train.batch_size', 'data.max_len', 'train.ttt_steps', 'train.loss_chunk', 'train.keep', 'drafter.layers')
-  for key in positive:
+  for key in positive + ('drafter.anchors',):
     if v[key] < 1:
       raise SpecjaxError(f'config key {key!r} must be at least 1, got {v[key]}')
+  if v['drafter.block_size'] < 2:
+    raise SpecjaxError(f"config key 'drafter.block_size' must be at least 2 (one draft), got {v['drafter.block_size']}")
+  if not v['train.dflash_gamma'] > 0:
+    raise SpecjaxError(f"config key 'train.dflash_gamma' must be positive, got {v['train.dflash_gamma']}")
   for key in ('train.steps', 'eval.every', 'eval.limit', 'train.save_every', 'train.log_every'):
     if v[key] < 0:
       raise SpecjaxError(f'config key {key!r} must be at least 0, got {v[key]}')

@@ -103,17 +103,23 @@ class Eagle3Trainer(DrafterTrainer):
     return load_eagle3(path, self.target, dtype='float32').params
 
 
-def head_config(config, target, taps: tuple[int, ...]):
-  """An `Eagle3Config` shaped like the target: its width, heads, MLP and full-attention RoPE."""
-  from specjax.models.eagle3 import Eagle3Config
+def target_attention(target):
+  """(AttentionSpec, MLP width) of the target's last full-attention layer: the shape a drafter layer copies."""
   from specjax.models.mtp import _attention_spec
 
   c = target.config
   if hasattr(c, 'decoder_spec'):
     spec = c.decoder_spec()
-    attn, intermediate = _attention_spec(spec), spec.intermediate_size
-  else:  # hybrids: their gated attention's shape (the head's own attention is plain)
-    attn, intermediate = c.attention_spec(), c.intermediate_size
+    return _attention_spec(spec), spec.intermediate_size
+  return c.attention_spec(), c.intermediate_size  # hybrids: their gated attention's shape (a drafter's is plain)
+
+
+def head_config(config, target, taps: tuple[int, ...]):
+  """An `Eagle3Config` shaped like the target: its width, heads, MLP and full-attention RoPE."""
+  from specjax.models.eagle3 import Eagle3Config
+
+  c = target.config
+  attn, intermediate = target_attention(target)
   return Eagle3Config(
       hidden_size=c.hidden_size,
       intermediate_size=intermediate,

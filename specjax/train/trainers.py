@@ -57,9 +57,9 @@ def _eagle3(config, target, data):
 
 
 def _dflash(config, target, data):
-  # The hook for DFlash: random anchors (up to 512 per sequence), blocks [x_a, MASK x (B - 1)] packed after the
-  # context with the block mask, CE weighted exp(-(k - 1) / gamma); see ../shared/reference/training.md.
-  raise SpecjaxError('drafter.kind dflash: training is not implemented yet (its own issue)')
+  from specjax.train.dflash import make
+
+  return make(config, target, data)
 
 
 TRAINERS: dict[str, Callable[[Any, Any, Any], DrafterTrainer]] = {'mtp': _mtp, 'eagle3': _eagle3, 'dflash': _dflash}
@@ -77,6 +77,10 @@ def check_config(config, target) -> None:
   vocab, draft_vocab = target.config.vocab_size, config['drafter.draft_vocab_size']
   if config['drafter.kind'] == 'eagle3' and not 1 <= draft_vocab <= vocab:
     raise SpecjaxError(f'drafter.draft_vocab_size={draft_vocab} must be in 1..{vocab} (the target vocabulary)')
+  if config['drafter.kind'] == 'dflash':
+    from specjax.train.dflash import draft_config
+
+    draft_config(config, target)  # taps below the last layer, a mask token inside the vocabulary
 
 
 def make_trainer(config, target, data) -> DrafterTrainer:
