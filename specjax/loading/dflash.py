@@ -39,7 +39,7 @@ from flax import nnx
 from specjax.errors import SpecjaxError
 from specjax.loading import fill, resolve, resolve_dtype
 from specjax.loading.eagle3 import rope_to_hf
-from specjax.loading.hf import read_hf_config, read_safetensors, safetensors_files, safetensors_header
+from specjax.loading.hf import check_tensor_shapes, read_hf_config, read_safetensors, safetensors_files, safetensors_header
 from specjax.models import dflash
 from specjax.models.dflash import DFlashConfig, DFlashDraft
 from specjax.models.layers import ACTIVATIONS
@@ -237,15 +237,7 @@ def load_dflash(
     )
   shapes = {n: tuple(h['shape']) for n, h in headers.items()}
   want = dflash.hf_shapes(cfg)
-  missing = [n for n in want if n not in shapes]
-  if missing:
-    raise SpecjaxError(f'{where}: missing tensors {missing[:6]}{" ..." if len(missing) > 6 else ""}')
-  for n, shape in want.items():
-    if shapes[n] != shape:
-      raise SpecjaxError(f'{where}: tensor {n!r} has shape {list(shapes[n])}, the config implies {list(shape)}')
-  extra = sorted(set(shapes) - set(want))
-  if extra:
-    raise SpecjaxError(f'{where}: {len(extra)} unexpected tensors, e.g. {extra[:5]}')
+  check_tensor_shapes(shapes, want, where)
   tensors = read_safetensors(safetensors_files(path))
   abstract = nnx.eval_shape(lambda: DFlashDraft(cfg, attention_impl=attention_impl, dtype=dt))
   graphdef, params = fill(abstract, dflash.params_from_hf(cfg, tensors), dt, where)

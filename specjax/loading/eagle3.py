@@ -36,7 +36,7 @@ from flax import nnx
 
 from specjax.errors import SpecjaxError
 from specjax.loading import fill, resolve, resolve_dtype
-from specjax.loading.hf import read_hf_config, read_safetensors, safetensors_files, safetensors_header
+from specjax.loading.hf import check_tensor_shapes, read_hf_config, read_safetensors, safetensors_files, safetensors_header
 from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.layers import ACTIVATIONS, Rope
@@ -227,17 +227,7 @@ def load_eagle3(
   # Names and shapes from the headers alone, before any weight is read.
   want = eagle3.hf_shapes(cfg)
   original = lambda n: prefix + n[len(eagle3.LAYER) :] if n.startswith(eagle3.LAYER) else n
-  missing = [original(n) for n in want if n not in shapes]
-  if missing:
-    raise SpecjaxError(f'{where}: missing tensors {missing[:6]}{" ..." if len(missing) > 6 else ""}')
-  for n, shape in want.items():
-    if shapes[n] != shape:
-      raise SpecjaxError(
-          f'{where}: tensor {original(n)!r} has shape {list(shapes[n])}, the config implies {list(shape)}'
-      )
-  extra = sorted(original(n) for n in set(shapes) - set(want) - {'d2t', 't2d'})
-  if extra:
-    raise SpecjaxError(f'{where}: {len(extra)} unexpected tensors, e.g. {extra[:5]}')
+  check_tensor_shapes(shapes, want, where, ignore=('d2t', 't2d'), name=original)
   files = safetensors_files(path)
   d2t, t2d = _vocab_map(cfg, read_safetensors(files, skip=tuple(n for n in headers if n not in ('d2t', 't2d'))), where)
   tensors = {rename(n): w for n, w in read_safetensors(files, skip=('d2t', 't2d') + IGNORED).items()}

@@ -22,7 +22,7 @@ from flax import nnx
 
 from specjax.errors import SpecjaxError
 from specjax.loading import fill, resolve, resolve_dtype
-from specjax.loading.hf import read_hf_config, read_json, read_safetensors, safetensors_files, safetensors_header
+from specjax.loading.hf import check_tensor_shapes, read_hf_config, read_json, read_safetensors, safetensors_files, safetensors_header
 from specjax.models import gemma4_assistant as g4a
 from specjax.models.gemma4_assistant import Gemma4Assistant, Gemma4AssistantConfig
 
@@ -93,15 +93,7 @@ def load_gemma4_assistant(
   if cfg.tie_word_embeddings:
     shapes.pop('lm_head.weight', None)  # a tied copy
   want = g4a.hf_shapes(cfg)
-  missing = [n for n in want if n not in shapes]
-  if missing:
-    raise SpecjaxError(f'{where}: missing tensors {missing[:6]}{" ..." if len(missing) > 6 else ""}')
-  for n, shape in want.items():
-    if shapes[n] != shape:
-      raise SpecjaxError(f'{where}: tensor {n!r} has shape {list(shapes[n])}, the config implies {list(shape)}')
-  extra = sorted(set(shapes) - set(want))
-  if extra:
-    raise SpecjaxError(f'{where}: {len(extra)} unexpected tensors, e.g. {extra[:5]}')
+  check_tensor_shapes(shapes, want, where)
   order = _token_ordering(files, cfg, where) if cfg.use_ordered_embeddings else None
   tensors = read_safetensors(files, skip=(ORDERING, 'lm_head.weight') if cfg.tie_word_embeddings else (ORDERING,))
   if order is not None:

@@ -120,6 +120,29 @@ def read_safetensors(files: list[str], skip: tuple[str, ...] = ()) -> dict[str, 
   return tensors
 
 
+def check_tensor_shapes(
+    shapes: dict[str, tuple[int, ...]],
+    want: dict[str, tuple[int, ...]],
+    where: str,
+    *,
+    ignore: tuple[str, ...] = (),
+    name=lambda n: n,
+) -> None:
+  """One `SpecjaxError` line unless a checkpoint's tensor `shapes` are exactly `want` (from its headers alone).
+
+  `ignore`: names allowed besides `want`; `name`: the checkpoint's own spelling of a name, for the message.
+  """
+  missing = [name(n) for n in want if n not in shapes]
+  if missing:
+    raise SpecjaxError(f'{where}: missing tensors {missing[:6]}{" ..." if len(missing) > 6 else ""}')
+  for n, shape in want.items():
+    if shapes[n] != shape:
+      raise SpecjaxError(f'{where}: tensor {name(n)!r} has shape {list(shapes[n])}, the config implies {list(shape)}')
+  extra = sorted(name(n) for n in set(shapes) - set(want) - set(ignore))
+  if extra:
+    raise SpecjaxError(f'{where}: {len(extra)} unexpected tensors, e.g. {extra[:5]}')
+
+
 def tensor_names(directory: str) -> set[str]:
   """Weight names of a checkpoint directory, from the safetensors headers only."""
   names = set()

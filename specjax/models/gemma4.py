@@ -57,7 +57,7 @@ from specjax.models.layers import (
     rms_normalize,
     routed_experts,
 )
-from specjax.models.transformer import mlp_params
+from specjax.models.transformer import head_logits, mlp_params
 from specjax.models.weights import tensor_taker, unwrap_language_model
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'
@@ -494,13 +494,7 @@ class Gemma4(ChainAppend, nnx.Module):
   def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:  # [..., D] -> [..., V]
     """Softcapped logits; with `ids` [V'] only those vocabulary columns ([..., V']: a training draft vocabulary)."""
     head = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-    if ids is not None:
-      head = jnp.take(head, ids, axis=1)
-    logits = jnp.einsum('...d,dv->...v', hidden, head)
-    cap = self.cfg.final_logit_softcapping
-    if cap:
-      logits = jnp.tanh(logits / cap) * cap
-    return logits
+    return head_logits(hidden, head, ids, self.cfg.final_logit_softcapping)
 
 
 def _split(result):

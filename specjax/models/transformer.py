@@ -117,13 +117,22 @@ class DecoderLM(ChainAppend, nnx.Module):
   def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:  # [..., D] -> [..., V]
     """Final logits; with `ids` [V'] only those vocabulary columns ([..., V']: a training draft vocabulary)."""
     head = self.embed_tokens[...] if self.spec.tie_embeddings else self.lm_head[...]
-    if ids is not None:
-      head = jnp.take(head, ids, axis=1)
-    logits = jnp.einsum('...d,dv->...v', hidden, head)
-    cap = self.spec.final_softcap
-    if cap:
-      logits = jnp.tanh(logits / cap) * cap
-    return logits
+    return head_logits(hidden, head, ids, self.spec.final_softcap)
+
+
+def head_logits(
+    hidden: jax.Array,  # [..., D]
+    head: jax.Array,  # [D, V]
+    ids: jax.Array | None = None,  # [V'] only these columns
+    cap: float | None = None,  # final softcap
+) -> jax.Array:  # [..., V] (or [..., V'])
+  """`hidden @ head` (the `[D, V]` head of `DecoderLM` and Gemma 4), over `ids` only if given, softcapped."""
+  if ids is not None:
+    head = jnp.take(head, ids, axis=1)
+  logits = jnp.einsum('...d,dv->...v', hidden, head)
+  if cap:
+    logits = jnp.tanh(logits / cap) * cap
+  return logits
 
 
 def block_params(take, p: str, spec: AttentionSpec, d: int, f: int, *, sandwich: bool) -> dict:
