@@ -1,0 +1,26 @@
+"""Every shipped config under configs/ resolves against its schema (sweeps and trainings), without running."""
+
+import glob
+import os
+
+import pytest
+
+from specjax.sweep import config as sweep_config
+from specjax.train import config as train_config
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), '..', 'configs', '*.py')))
+
+
+def test_configs_found():
+  assert len(CONFIGS) >= 8
+
+
+@pytest.mark.parametrize('path', CONFIGS, ids=os.path.basename)
+def test_config_resolves(path):
+  config = sweep_config.load_config_file(path)
+  if os.path.basename(path).startswith('train_'):
+    cfg = train_config.resolve(config)
+    assert cfg.values['target.model']
+  else:
+    cells = sweep_config.expand(sweep_config.resolve(config))
+    assert cells
