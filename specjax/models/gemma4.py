@@ -63,6 +63,7 @@ from specjax.models.weights import tensor_taker, unwrap_language_model
 SLIDING, FULL = 'sliding_attention', 'full_attention'
 MODEL_TYPES = ('gemma4_text', 'gemma4')
 TOWERS = ('model.vision_tower.', 'model.audio_tower.', 'model.embed_vision.', 'model.embed_audio.')
+# transformers' Gemma4TextConfig defaults, used when a config leaves them out.
 DEFAULT_ROPE = {
     SLIDING: {'rope_type': 'default', 'rope_theta': 10_000.0},
     FULL: {'rope_type': 'proportional', 'partial_rotary_factor': 0.25, 'rope_theta': 1_000_000.0},
@@ -153,7 +154,7 @@ class Gemma4Config:
       k_eq_v = bool(hf.get('attention_k_eq_v', False))
       head_dims, kv_heads = _per_layer_shapes(hf, layer_types, k_eq_v, where)
       rope_params = hf.get('rope_parameters') or DEFAULT_ROPE
-      ropes = tuple(_rope(rope_params.get(t), t, h, where) for t, h in zip(layer_types, head_dims))
+      ropes = tuple(rope_from_hf(rope_params, t, h, where) for t, h in zip(layer_types, head_dims))
       experts = int(hf.get('num_experts') or 0) if hf.get('enable_moe_block') else 0
       moe_width = int(hf.get('moe_intermediate_size') or hf.get('expert_intermediate_size') or 0)
       ple = int(hf.get('hidden_size_per_layer_input', 256) or 0)
@@ -243,18 +244,24 @@ def _per_layer_shapes(hf: dict, layer_types: list[str], k_eq_v: bool, where: str
   )
 
 
-def _rope(params: dict | None, layer_type: str, head_dim: int, where: str) -> Rope:
-  """A layer type's `rope_parameters`: `default` (partial_rotary_factor unused, as upstream) or `proportional`."""
-  if not params:
+def rope_from_hf(rope: dict[str, Any], layer_type: str, head_dim: int, where: str) -> Rope:
+  """One layer type's RoPE from `rope_parameters`: `default` or `proportional`.
+
+  `default` ignores partial_rotary_factor, as upstream; `proportional` rotates
+  int(partial_rotary_factor * head_dim // 2) pairs, as transformers. A missing
+  theta is transformers' default for the layer type (1e4 sliding, 1e6 full).
+  """
+  params = rope.get(layer_type)
+  if not isinstance(params, dict):
     raise SpecjaxError(f'{where}: rope_parameters has no entry for {layer_type!r}')
   kind = params.get('rope_type', 'default')
-  base = float(params.get('rope_theta', 10_000.0))
+  base = float(params.get('rope_theta', DEFAULT_ROPE[layer_type]['rope_theta']))
   if kind == 'default':
     return Rope(base=base)
   if kind == 'proportional':
     angles = int(float(params.get('partial_rotary_factor', 1.0)) * head_dim // 2)
     return Rope(base=base, kind='proportional', rope_angles=angles, factor=float(params.get('factor', 1.0)))
-  raise SpecjaxError(f'{where}: unsupported rope_type {kind!r} for {layer_type} (supported: default, proportional)')
+  raise SpecjaxError(f'{where}: unsupported {layer_type} rope_type {kind!r} (supported: default, proportional)')
 
 
 class Gemma4Attention(nnx.Module):

@@ -52,19 +52,14 @@ from flax import nnx
 from pallas_kernels.paged_attention import MASK_VALUE, paged_attention
 from specjax.errors import SpecjaxError
 from specjax.models.contract import PagedKV
+from specjax.models.gemma4 import DEFAULT_ROPE, FULL, SLIDING, rope_from_hf
 from specjax.models.layers import ACTIVATIONS, AttentionSpec, DecoderBlock, GatedMLP, RMSNorm, Rope, param
 from specjax.models.transformer import mlp_params
 from specjax.models import weights
 from specjax.models.weights import hf_from_params, tensor_taker
 
-SLIDING, FULL = 'sliding_attention', 'full_attention'
 MODEL_TYPE = 'gemma4_assistant'
 ARCHITECTURE = 'Gemma4AssistantForCausalLM'
-# transformers' Gemma4TextConfig defaults, used when a config leaves them out.
-DEFAULT_ROPE = {
-    SLIDING: {'rope_type': 'default', 'rope_theta': 10_000.0},
-    FULL: {'rope_type': 'proportional', 'partial_rotary_factor': 0.25, 'rope_theta': 1_000_000.0},
-}
 DEFAULT_GLOBAL_HEAD_DIM = 512
 
 
@@ -222,21 +217,6 @@ def full_layer_shape(
   if shapes[SLIDING] - {(head_dim, kv)} or len(shapes[FULL]) > 1:
     raise SpecjaxError(f'{where}: per_layer_config must give all full layers one shape and override no sliding layer')
   return next(iter(shapes[FULL]), (head_dim, kv))
-
-
-def rope_from_hf(rope: dict[str, Any], layer_type: str, head_dim: int, where: str) -> Rope:
-  """One layer type's RoPE from Gemma 4's `rope_parameters` ('default' or 'proportional')."""
-  p = rope.get(layer_type)
-  if not isinstance(p, dict):
-    raise SpecjaxError(f'{where}: rope_parameters has no entry for {layer_type!r}')
-  kind = p.get('rope_type', 'default')
-  base = float(p.get('rope_theta', DEFAULT_ROPE[layer_type]['rope_theta']))
-  if kind == 'default':
-    return Rope(base=base)
-  if kind == 'proportional':  # transformers: int(partial_rotary_factor * head_dim // 2) rotated pairs
-    angles = int(float(p.get('partial_rotary_factor', 1.0)) * head_dim // 2)
-    return Rope(base=base, kind='proportional', factor=float(p.get('factor', 1.0)), rope_angles=angles)
-  raise SpecjaxError(f'{where}: unsupported {layer_type} rope_type {kind!r} (supported: default, proportional)')
 
 
 # ---------------------------------------------------------------- the target's K/V
