@@ -76,6 +76,27 @@ def test_ttt_unroll_matches_serving_positions(tmp_path):
 
 
 @needs_head
+def test_head_from_target_starts_with_the_targets_head(tmp_path):
+  """drafter.head_from_target: the initial head maps a residual to the target's own logits on the draft vocab."""
+  from flax import nnx
+
+  import specjax
+  from specjax.train.config import resolve
+  from specjax.train.trainers import make_trainer
+
+  model = specjax.load(TINY)
+  data = make_data(tmp_path / 'd.jsonl', 6)
+  cfg = resolve(eagle3_config(data), ['drafter.head_from_target=True'])
+  trainer = make_trainer(cfg, model, None)
+  head, target = nnx.merge(trainer.graphdef, trainer.init(jax.random.key(0))), model.module()
+  x = jax.random.normal(jax.random.key(1), (3, model.config.hidden_size)) * 5.0  # residuals
+  want = target.logits(target.norm(x), trainer.draft_ids())
+  np.testing.assert_allclose(head.logits(x), want, rtol=1e-5, atol=1e-5)
+  cold = nnx.merge(trainer.graphdef, make_trainer(resolve(eagle3_config(data)), model, None).init(jax.random.key(0)))
+  assert not np.allclose(cold.logits(x), want, atol=1e-2)
+
+
+@needs_head
 def test_eagle3_trains_and_exports(tmp_path):
   from specjax.loading.eagle3 import load_eagle3
   from specjax.train import run_training

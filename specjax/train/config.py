@@ -37,6 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
               'anchors': 512,  # dflash: blocks per packed row (random anchors, SpecForge's 512)
               'mask_token_id': None,  # dflash: None: the tokenizer's mask token, a spare embedding row, pad or unk
               'target_layer_ids': [],  # taps (eagle3, dflash); empty: the family's default
+              'head_from_target': False,  # eagle3: start lm_head and the final norm from the target's (draft vocab columns)
           },
           'data': {
               'path': None,  # jsonl: ShareGPT `conversations`, `prompt`/`turns`, `messages` or `text` records
@@ -181,6 +182,11 @@ def _check_ranges(v: dict) -> None:
   for key in positive + ('drafter.anchors',):
     if v[key] < 1:
       raise SpecjaxError(f'config key {key!r} must be at least 1, got {v[key]}')
+  if v['drafter.head_from_target'] and v['drafter.kind'] != 'eagle3':
+    raise SpecjaxError(
+        f"config key 'drafter.head_from_target' applies to eagle3 (the other kinds use the target's head), "
+        f"not {v['drafter.kind']}"
+    )
   if v['drafter.block_size'] < 2:
     raise SpecjaxError(f"config key 'drafter.block_size' must be at least 2 (one draft), got {v['drafter.block_size']}")
   if not v['train.dflash_gamma'] > 0:

@@ -50,12 +50,19 @@ class Eagle3Trainer(DrafterTrainer):
   t2d: Any = None  # [V] bool
   decay: float = 0.8
   chunk: int = 256
+  head_from_target: bool = False
   kind: str = 'eagle3'
 
   def init(self, key) -> nnx.State:
     from specjax.models.eagle3 import Eagle3Head
 
-    return nnx.split(Eagle3Head(self.cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key)))[1]
+    head = Eagle3Head(self.cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key))
+    if self.head_from_target:
+      start_from_target_head(head, self.target, self.draft_ids())
+    return nnx.split(head)[1]
+
+  def draft_ids(self) -> jax.Array:  # [V'] the target id of each draft id
+    return jnp.arange(self.cfg.draft_vocab_size) + jnp.asarray(self.d2t, jnp.int32)
 
   def unroll(self, params, target, batch: dict, taps: tuple[jax.Array, ...]) -> list[jax.Array]:
     """The head's output [B, T, D] (before its final norm) at each training-time-test step."""
@@ -79,7 +86,7 @@ class Eagle3Trainer(DrafterTrainer):
     head = nnx.merge(self.graphdef, params)
     hidden, taps = from_batch(batch, len(self.taps)) or target_features(target, batch, self.taps)
     segments, loss_mask = batch['segments'], batch['loss_mask']
-    draft_ids = jnp.arange(self.cfg.draft_vocab_size) + jnp.asarray(self.d2t, jnp.int32)
+    draft_ids = self.draft_ids()
     total, metrics = 0.0, {'ce': [], 'agree': [], 'count': []}
     best = batch.get('target_best')  # cached: only the draft vocabulary is projected
     dist = target_distribution(target.logits, hidden, self.chunk, draft_ids, best)  # once, shifted for every step
@@ -101,6 +108,20 @@ class Eagle3Trainer(DrafterTrainer):
     from specjax.loading.eagle3 import load_eagle3
 
     return load_eagle3(path, self.target, dtype='float32').params
+
+
+def start_from_target_head(head, target, draft_ids: jax.Array) -> None:
+  """Sets the head's `lm_head` to the target head's draft-vocabulary columns and `norm` to its final norm.
+
+  The columns are `target.logits(I, draft_ids)` (a final softcap leaves them
+  as they are to ~1e-6: head weights are far below it). A head that starts
+  with the target's vocabulary geometry only has to learn the next residual;
+  SpecForge starts it at random, which a short CPU run cannot afford.
+  """
+  model = nnx.merge(target.graphdef, target.params)
+  eye = jnp.eye(head.cfg.hidden_size, dtype=jnp.float32)
+  head.lm_head[...] = model.logits(eye.astype(target.dtype), draft_ids).astype(jnp.float32)  # [D, V']
+  head.norm.scale[...] = (model.norm.offset + model.norm.scale[...]).astype(jnp.float32)
 
 
 def target_attention(target):
@@ -156,4 +177,5 @@ def make(config, target, data) -> Eagle3Trainer:
       t2d=t2d,
       decay=config['train.ttt_decay'],
       chunk=config['train.loss_chunk'],
+      head_from_target=config['drafter.head_from_target'],
   )
