@@ -77,10 +77,11 @@ def test_ttt_unroll_matches_serving_positions(tmp_path):
 
 @needs_head
 def test_head_from_target_starts_with_the_targets_head(tmp_path):
-  """drafter.head_from_target: the initial head maps a residual to the target's own logits on the draft vocab."""
+  """drafter.head_from_target: the initial head is the target's logit lens on its last tap (draft vocabulary)."""
   from flax import nnx
 
   import specjax
+  from specjax.models.contract import StepInputs
   from specjax.train.config import resolve
   from specjax.train.trainers import make_trainer
 
@@ -89,11 +90,14 @@ def test_head_from_target_starts_with_the_targets_head(tmp_path):
   cfg = resolve(eagle3_config(data), ['drafter.head_from_target=True'])
   trainer = make_trainer(cfg, model, None)
   head, target = nnx.merge(trainer.graphdef, trainer.init(jax.random.key(0))), model.module()
-  x = jax.random.normal(jax.random.key(1), (3, model.config.hidden_size)) * 5.0  # residuals
-  want = target.logits(target.norm(x), trainer.draft_ids())
-  np.testing.assert_allclose(head.logits(x), want, rtol=1e-5, atol=1e-5)
+  d = model.config.hidden_size
+  taps = jax.random.normal(jax.random.key(1), (1, 4, len(trainer.taps) * d)) * 5.0  # residuals at 4 positions
+  embeds = jax.random.normal(jax.random.key(2), (1, 4, d))
+  want = target.logits(target.norm(taps[..., -d:]), trainer.draft_ids())  # the logit lens of the last tap
+  out = head.forward(embeds, head.fuse(taps), StepInputs.chain(None, jnp.asarray([4]), 4), None)[0]
+  np.testing.assert_allclose(head.logits(out), want, rtol=1e-5, atol=1e-5)
   cold = nnx.merge(trainer.graphdef, make_trainer(resolve(eagle3_config(data)), model, None).init(jax.random.key(0)))
-  assert not np.allclose(cold.logits(x), want, atol=1e-2)
+  assert not np.allclose(cold.logits(out), want, atol=1e-2)
 
 
 @needs_head

@@ -111,17 +111,26 @@ class Eagle3Trainer(DrafterTrainer):
 
 
 def start_from_target_head(head, target, draft_ids: jax.Array) -> None:
-  """Sets the head's `lm_head` to the target head's draft-vocabulary columns and `norm` to its final norm.
+  """Starts the head as the target's logit lens on its last tap: the target's head and norm, the layer a no-op.
 
-  The columns are `target.logits(I, draft_ids)` (a final softcap leaves them
-  as they are to ~1e-6: head weights are far below it). A head that starts
-  with the target's vocabulary geometry only has to learn the next residual;
-  SpecForge starts it at random, which a short CPU run cannot afford.
+  `lm_head` takes the target head's draft-vocabulary columns
+  (`target.logits(I, draft_ids)`; a final softcap leaves them as they are to
+  ~1e-6, head weights being far below it), `norm` the target's final norm,
+  `fc` passes the last tap through, and the layer's output projections
+  (`o_proj`, MLP `down`) start at zero. So the first logits are the target's
+  own read of that layer's residual, in the target's logit scale (a random
+  residual through Gemma's final norm, scales up to ~300, gives losses in the
+  hundreds), and training only has to learn the next token's residual. SpecForge
+  starts at random, which a short CPU run cannot afford.
   """
   model = nnx.merge(target.graphdef, target.params)
-  eye = jnp.eye(head.cfg.hidden_size, dtype=jnp.float32)
+  d = head.cfg.hidden_size
+  eye = jnp.eye(d, dtype=jnp.float32)
   head.lm_head[...] = model.logits(eye.astype(target.dtype), draft_ids).astype(jnp.float32)  # [D, V']
   head.norm.scale[...] = (model.norm.offset + model.norm.scale[...]).astype(jnp.float32)
+  head.fc[...] = jnp.zeros_like(head.fc[...]).at[-d:].set(eye)  # [n * D, D]: the last tap
+  head.self_attn.o_proj[...] = jnp.zeros_like(head.self_attn.o_proj[...])
+  head.mlp.down[...] = jnp.zeros_like(head.mlp.down[...])
 
 
 def target_attention(target):
