@@ -3,6 +3,7 @@
 import json
 import os
 
+import numpy as np
 import pytest
 
 from specjax import cli
@@ -179,8 +180,20 @@ def test_sweep_writes_every_artifact(tiny_run):
       '## free — layer-skip(2)',
       'Policies against the oracle best fixed K',
       '| tuner{2,4} |',
+      '## Drafters side by side',
+      '| category | layer-skip(2) K=2 |',
+      '| geomean speedup |',
   ):
     assert heading in summary
+  table = report['analysis']['side_by_side']
+  assert len(table['columns']) == 6 and [c for c, _ in table['rows']] == ['copy', 'free', 'all']
+  for (setting, policy), g in zip(table['columns'], table['geomean_speedup']):
+    ups = [
+        next(r for r in grp['rows'] if r['policy'] == policy)['speedup']
+        for grp in report['analysis']['groups']
+        if grp['setting'] == setting and grp['category'] != 'all'
+    ]
+    assert g == pytest.approx(float(np.exp(np.mean(np.log(ups)))))
   assert 'Greedy speculative tokens equal autoregressive tokens on every request: True' in summary
   for name in PLOTS:
     with open(os.path.join(out, name), 'rb') as f:

@@ -109,7 +109,8 @@ def _position_acceptance(steps: list[tuple[int, int]]) -> list[float]:
 
 
 def analyze(records: list[dict]) -> dict:
-  """{'groups': per (setting, category) tables, 'policies': regret rows, 'greedy_equal': bool | None}."""
+  """{'groups': per (setting, category) tables, 'policies': regret rows, 'greedy_equal': bool | None,
+  'side_by_side': `side_by_side(groups)`}."""
   cells = {r['cell']: r for r in records if r['type'] == 'cell'}
   baselines = {(r['baseline'], r['request_id']): r for r in records if r['type'] == 'baseline'}
   grouped: dict[tuple, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -168,7 +169,35 @@ def analyze(records: list[dict]) -> dict:
           if b is not None:
             greedy_equal = (greedy_equal is not False) and r['tokens'] == b['tokens']
     policy_rows += _regret(groups[-1])
-  return {'groups': groups, 'policies': policy_rows, 'greedy_equal': greedy_equal}
+  return {'groups': groups, 'policies': policy_rows, 'greedy_equal': greedy_equal, 'side_by_side': side_by_side(groups)}
+
+
+def side_by_side(groups: list[dict]) -> dict | None:
+  """Every (setting, policy) as a column over the categories, for sweeps of several drafter settings.
+
+  {'columns': [(setting, policy)], 'rows': [(category, [row or None per column])],
+  'geomean_speedup': [per column: the geometric mean over the categories ('all' aside), or None]}.
+  None when the sweep has one setting (its per-category tables say it all).
+  """
+  if len({g['setting'] for g in groups}) < 2:
+    return None
+  columns, categories, cells = [], [], {}
+  for g in groups:
+    if g['category'] not in categories:
+      categories.append(g['category'])
+    for row in g['rows']:
+      column = (g['setting'], row['policy'])
+      if column not in columns:
+        columns.append(column)
+      cells[(g['category'], column)] = row
+  categories.sort(key=lambda c: c == ALL)  # stable: 'all' last
+  rows = [(c, [cells.get((c, column)) for column in columns]) for c in categories]
+  geomean = []
+  for column in columns:
+    ups = [cells[(c, column)]['speedup'] for c in categories if c != ALL and (c, column) in cells]
+    ok = ups and all(u for u in ups)
+    geomean.append(float(np.exp(np.mean(np.log(ups)))) if ok else None)
+  return {'columns': columns, 'rows': rows, 'geomean_speedup': geomean}
 
 
 def _twins(rows: list[dict]) -> list[tuple[str, str, float]]:

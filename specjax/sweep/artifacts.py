@@ -213,6 +213,25 @@ def _fmt(value, spec: str = '.2f', suffix: str = '') -> str:
   return f'{value:{spec}}{suffix}'
 
 
+def _side_by_side_lines(table: dict | None) -> list[str]:
+  if not table:
+    return []
+  names = [f'{setting} {policy}' for setting, policy in table['columns']]
+  lines = [
+      '## Drafters side by side',
+      '',
+      'τ / speedup over autoregressive per category; last row: geometric mean of the speedups over the categories.',
+      '',
+      '| category | ' + ' | '.join(names) + ' |',
+      '|---|' + '---|' * len(names),
+  ]
+  for category, rows in table['rows']:
+    cells = [f"{_fmt(r['tau'])} / {_fmt(r['speedup'], '.2f', 'x')}" if r else '–' for r in rows]
+    lines.append(f'| {category} | ' + ' | '.join(cells) + ' |')
+  lines.append('| geomean speedup | ' + ' | '.join(_fmt(g, '.2f', 'x') for g in table['geomean_speedup']) + ' |')
+  return lines + ['']
+
+
 def format_summary(analysis: dict, manifest: dict, plots: list[str]) -> str:
   """summary.md: what ran, per-category tables, acceptance fits and policy regret."""
   git = manifest.get('git', {})
@@ -256,6 +275,7 @@ def format_summary(analysis: dict, manifest: dict, plots: list[str]) -> str:
         f"[{', '.join(f'{b:.2f}' for b in fit['conditional'])}] over {fit['steps']} steps",
         '',
     ]
+  lines += _side_by_side_lines(analysis.get('side_by_side'))
   policies = analysis.get('policies') or []
   if policies:
     lines += [
