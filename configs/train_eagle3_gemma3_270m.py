@@ -9,9 +9,8 @@ as d2t / t2d (the draft head and the target's draft-vocab projection are most
 of a step's cost on a CPU). Training-time test unrolled 6 steps (chains of 5
 drafts and the bonus), weights 0.8^i. The head starts as the target's logit
 lens on the last tap (`drafter.head_from_target`: the target's head columns
-and final norm, fc passing the last tap, zero output projections): learning
-a random 8192 x 640 head is most of what a short run would otherwise spend
-its steps on. 40 steps of 8 x 512 tokens (about a third of a pass over the
+and final norm, fc passing the last tap, zero output projections; at 40
+steps it did not beat a random start, see the experiment's README). 40 steps of 8 x 512 tokens (about a third of a pass over the
 packed rows): what one CPU session affords beside its other work (~35
 minutes, 2 cores).
 Data as in train_mtp_gemma3_270m.py (ShareGPT, reasoning-gym and
