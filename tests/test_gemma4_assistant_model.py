@@ -314,7 +314,7 @@ BAD = {
         lambda p: edit_config(
             p, {'rope_parameters': {'sliding_attention': {}, 'full_attention': {'rope_type': 'yarn'}}}
         ),
-        "unsupported full_attention rope_type 'yarn'",
+        "unsupported rope_type 'yarn' for full_attention",
     ),
     'centroids': (lambda p: edit_config(p, num_centroids=15), 'num_centroids 15 does not divide vocab_size 512'),
     'top k': (lambda p: edit_config(p, centroid_intermediate_top_k=17), 'centroid_intermediate_top_k 17'),

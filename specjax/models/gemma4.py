@@ -261,7 +261,7 @@ def rope_from_hf(rope: dict[str, Any], layer_type: str, head_dim: int, where: st
   if kind == 'proportional':
     angles = int(float(params.get('partial_rotary_factor', 1.0)) * head_dim // 2)
     return Rope(base=base, kind='proportional', rope_angles=angles, factor=float(params.get('factor', 1.0)))
-  raise SpecjaxError(f'{where}: unsupported {layer_type} rope_type {kind!r} (supported: default, proportional)')
+  raise SpecjaxError(f'{where}: unsupported rope_type {kind!r} for {layer_type} (supported: default, proportional)')
 
 
 class Gemma4Attention(nnx.Module):
