@@ -211,7 +211,9 @@ def test_data_parallel_matches_one_device(data, tmp_path):
   leaves = jax.tree.leaves(jax.device_get(one['params']))
   assert len(leaves) == len(four.files)
   for i, x in enumerate(leaves):
-    np.testing.assert_allclose(four[f'arr_{i}'], x, rtol=1e-4, atol=1e-6)
+    # Four devices sum the gradient in another order; Adam divides by sqrt(v), so a rounding difference in a
+    # small gradient moves its weight by up to ~1e-6 of lr-sized steps (seen on AMD EPYC: 1.7e-6 on 4.8e-3).
+    np.testing.assert_allclose(four[f'arr_{i}'], x, rtol=1e-4, atol=5e-6)
   dp = [r['loss'] for r in train_lines(str(tmp_path / 'dp'))]
   np.testing.assert_allclose(dp, [r['loss'] for r in train_lines(str(tmp_path / 'one'))], rtol=1e-5)
 
