@@ -146,6 +146,41 @@ def test_steps_zero_exports_the_initial_drafter(data, tmp_path):
   assert same(jax.device_get(trainer.load(report['export'])), jax.device_get(initial))
 
 
+@pytest.mark.parametrize(
+    'kind, drafter',
+    [
+        ('mtp', {}),
+        ('eagle3', {'draft_vocab_size': 128}),
+        ('dflash', {'layers': 2, 'block_size': 4, 'anchors': 8}),
+    ],
+)
+def test_init_from_starts_at_the_checkpoint(data, tmp_path, kind, drafter):
+  """drafter.init_from: a run starts at an exported drafter (EAGLE-3: with its vocabulary map), checked first."""
+  from specjax.train import run_training
+  from specjax.train.config import resolve
+  from specjax.train.trainers import first_params, make_trainer
+
+  import specjax
+
+  cfg = {**config(data), 'drafter': {'kind': kind, **drafter}}
+  export = run_training(cfg, str(tmp_path / 'a'), ['train.steps=2', 'eval.every=0'], progress=False)['export']
+  model = specjax.load(TINY)
+  tuned = resolve(cfg, ['train.seed=7', f'drafter.init_from={export!r}'])
+  trainer = make_trainer(tuned, model, None)  # no data: EAGLE-3's vocabulary comes from the checkpoint
+  assert same(jax.device_get(first_params(trainer, jax.random.key(7))), jax.device_get(trainer.load(export)))
+  if kind == 'eagle3':
+    from specjax.loading.eagle3 import load_eagle3
+
+    np.testing.assert_array_equal(trainer.d2t, load_eagle3(export, model).d2t)
+    with pytest.raises(SpecjaxError, match=r'differs from this config: draft_vocab_size 128 \(config: 64\)'):
+      make_trainer(resolve(tuned, ['drafter.draft_vocab_size=64']), model, None)
+    report = run_training(tuned, str(tmp_path / 'b'), ['train.steps=2', 'eval.every=0'], progress=False)
+    assert np.isfinite(report['loss'])
+  if kind == 'dflash':
+    with pytest.raises(SpecjaxError, match=r'block_size 4 \(config: 8\)'):
+      make_trainer(resolve(tuned, ['drafter.block_size=8']), model, None)
+
+
 def test_ttt_unroll_matches_serving_positions(data):
   """Training-time-test step i at row t = the head fed its own outputs at positions t + 1 .. t + i, as it drafts."""
   from flax import nnx
@@ -227,6 +262,8 @@ def test_data_parallel_matches_one_device(data, tmp_path):
         (['drafter.kind=dflash', 'drafter.target_layer_ids=[1,6]'], r'target_layer_ids \[6\] out of range'),
         (['data.path=MISSING'], 'does not exist'),
         (['drafter.head_from_target=True'], "'drafter.head_from_target' applies to eagle3"),
+        (['drafter.init_from=MISSING'], 'not an exported MTP head'),
+        (['drafter.kind=eagle3', 'drafter.head_from_target=True', 'drafter.init_from=MISSING'], 'both set the first'),
     ],
 )
 def test_bad_config_is_one_error_line(data, tmp_path, capsys, overrides, message):

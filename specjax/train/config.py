@@ -38,6 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
               'mask_token_id': None,  # dflash: None: the tokenizer's mask token, a spare embedding row, pad or unk
               'target_layer_ids': [],  # taps (eagle3, dflash); empty: the family's default
               'head_from_target': False,  # eagle3: start lm_head and the final norm from the target's (draft vocab columns)
+              'init_from': None,  # a drafter directory of this kind (an export or upstream checkpoint) to start from
           },
           'data': {
               'path': None,  # jsonl: ShareGPT `conversations`, `prompt`/`turns`, `messages` or `text` records
@@ -85,6 +86,7 @@ def base_config() -> ml_collections.ConfigDict:
 _SCHEMA = _flatten(base_config().to_dict())
 _NULLABLE = {
     'drafter.mask_token_id': int,
+    'drafter.init_from': str,
     'target.dtype': str,
     'data.path': str,
     'data.limit': int,
@@ -187,6 +189,8 @@ def _check_ranges(v: dict) -> None:
         f"config key 'drafter.head_from_target' applies to eagle3 (the other kinds use the target's head), "
         f"not {v['drafter.kind']}"
     )
+  if v['drafter.init_from'] is not None and v['drafter.head_from_target']:
+    raise SpecjaxError("config keys 'drafter.init_from' and 'drafter.head_from_target' both set the first weights")
   if v['drafter.block_size'] < 2:
     raise SpecjaxError(f"config key 'drafter.block_size' must be at least 2 (one draft), got {v['drafter.block_size']}")
   if not v['train.dflash_gamma'] > 0:

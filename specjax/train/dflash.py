@@ -41,7 +41,7 @@ from pallas_kernels.paged_attention import MASK_VALUE
 from specjax.errors import SpecjaxError
 from specjax.train.features import from_batch
 from specjax.train.losses import shift, soft_ce, target_features
-from specjax.train.trainers import DrafterTrainer
+from specjax.train.trainers import DrafterTrainer, check_fields
 
 MASK_TOKENS = ('<|MASK|>', '<mask>', '<|mask|>', '[MASK]')
 
@@ -228,7 +228,16 @@ def draft_config(config, target):
 def make(config, target, data) -> DFlashTrainer:
   from specjax.models.dflash import DFlashDraft
 
-  cfg = draft_config(config, target)
+  cfg, start = draft_config(config, target), None
+  if config['drafter.init_from']:  # fine-tuning: the checkpoint's draft (and its RoPE, position limit)
+    from specjax.loading.dflash import load_dflash
+
+    ck = load_dflash(config['drafter.init_from'], target, dtype='float32')
+    fields = ('num_layers', 'block_size', 'mask_token_id', 'taps', 'windows', 'causal', 'conv_taps', 'selector_rank')
+    check_fields(
+        ck.source, ck.config, cfg, fields, "set the drafter keys to the checkpoint's (DFlash 2 cannot be trained)"
+    )
+    cfg, start = ck.config, ck.params
   graphdef = nnx.split(nnx.eval_shape(lambda: DFlashDraft(cfg, dtype=jnp.float32)))[0]
   return DFlashTrainer(
       positions=cfg.block_size - 1,
@@ -239,4 +248,5 @@ def make(config, target, data) -> DFlashTrainer:
       anchors=config['drafter.anchors'],
       gamma=config['train.dflash_gamma'],
       chunk=config['train.loss_chunk'],
+      start=start,
   )

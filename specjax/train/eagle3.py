@@ -25,7 +25,7 @@ from flax import nnx
 
 from specjax.train.features import from_batch
 from specjax.train.losses import segment_mask, shift, soft_ce, target_distribution, target_features, ttt_attention
-from specjax.train.trainers import DrafterTrainer
+from specjax.train.trainers import DrafterTrainer, check_fields
 
 
 def draft_vocabulary(data, vocab_size: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -174,7 +174,25 @@ def make(config, target, data) -> Eagle3Trainer:
     raise SpecjaxError(f"drafter.kind eagle3 has one decoder layer (drafter.layers=1), got {config['drafter.layers']}")
   taps = tuple(config['drafter.target_layer_ids']) or default_taps(target.config.num_layers)
   cfg = head_config(config, target, taps)
-  d2t, t2d = draft_vocabulary(data, target.config.vocab_size, cfg.draft_vocab_size)
+  start = None
+  if config['drafter.init_from']:  # fine-tuning: the checkpoint's head, vocabulary map and RoPE
+    from specjax.loading.eagle3 import load_eagle3
+
+    ck = load_eagle3(config['drafter.init_from'], target, dtype='float32')
+    check_fields(
+        ck.source,
+        ck.config,
+        cfg,
+        ('taps', 'draft_vocab_size', 'has_embedding'),
+        "set drafter.target_layer_ids and drafter.draft_vocab_size to the checkpoint's (its own embed_tokens "
+        "cannot be trained: training reads the target's)",
+    )
+    cfg, start, d2t, t2d = ck.config, ck.params, ck.d2t.astype(np.int64), ck.t2d
+    if t2d is None:
+      t2d = np.zeros(cfg.vocab_size, bool)
+      t2d[np.arange(cfg.draft_vocab_size) + d2t] = True
+  else:
+    d2t, t2d = draft_vocabulary(data, target.config.vocab_size, cfg.draft_vocab_size)
   graphdef = nnx.split(nnx.eval_shape(lambda: Eagle3Head(cfg, dtype=jnp.float32)))[0]
   return Eagle3Trainer(
       positions=config['train.ttt_steps'],
@@ -187,4 +205,5 @@ def make(config, target, data) -> Eagle3Trainer:
       decay=config['train.ttt_decay'],
       chunk=config['train.loss_chunk'],
       head_from_target=config['drafter.head_from_target'],
+      start=start,
   )

@@ -34,7 +34,7 @@ from specjax.errors import SpecjaxError
 from specjax.sweep import artifacts
 from specjax.train import data as data_lib
 from specjax.train.config import TrainConfig, resolve
-from specjax.train.trainers import check_config, make_trainer
+from specjax.train.trainers import check_config, first_params, make_trainer
 
 METRICS, CURVES, EXPORT, CHECKPOINTS = 'metrics.jsonl', 'curves.png', 'export', 'checkpoints'
 FEATURES = 'target_features'  # the frozen target's features of every row (`train.cache_target`)
@@ -234,7 +234,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
 
   tx, schedule = _optimizer(cfg)
   key = jax.random.key(cfg['train.seed'])
-  params = trainer.init(jax.random.fold_in(key, 0))
+  params = first_params(trainer, jax.random.fold_in(key, 0))
   state = {
       'params': params,
       'opt_state': tx.init(params),

@@ -86,10 +86,16 @@ def make(config, target, data) -> MTPTrainer:
   if config['drafter.target_layer_ids']:
     raise SpecjaxError("drafter.kind mtp reads the target's final hidden state; drafter.target_layer_ids is not used")
   graphdef = nnx.split(nnx.eval_shape(lambda: mtp.for_target(target, dtype=jnp.float32)))[0]
+  start = None
+  if config['drafter.init_from']:  # fine-tuning an exported head
+    from specjax.loading.mtp_head import load_mtp_head
+
+    start = load_mtp_head(config['drafter.init_from'], target)[1]
   return MTPTrainer(
       positions=config['train.ttt_steps'],
       graphdef=graphdef,
       target=target,
       decay=config['train.ttt_decay'],
       chunk=config['train.loss_chunk'],
+      start=start,
   )

@@ -26,6 +26,7 @@ class DrafterTrainer:
   kind: str = 'drafter'
   positions: int = 1  # draft positions the metrics cover
   taps: tuple[int, ...] = ()  # target layers whose residuals the loss reads
+  start: Any = None  # params read from `drafter.init_from` (None: `init`)
 
   def init(self, key) -> Any:
     raise NotImplementedError
@@ -65,6 +66,33 @@ def _dflash(config, target, data):
 TRAINERS: dict[str, Callable[[Any, Any, Any], DrafterTrainer]] = {'mtp': _mtp, 'eagle3': _eagle3, 'dflash': _dflash}
 
 
+def first_params(trainer: DrafterTrainer, key) -> Any:
+  """The params a run starts from: `trainer.start` (float32, shaped as `init`'s), else a fresh `init(key)`."""
+  import jax
+  import jax.numpy as jnp
+
+  if trainer.start is None:
+    return trainer.init(key)
+  want = jax.eval_shape(trainer.init, key)
+  path_shapes = lambda tree: {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  got, fresh = path_shapes(trainer.start), path_shapes(want)
+  if got != fresh:
+    name = next(n for n in sorted(set(got) | set(fresh)) if got.get(n) != fresh.get(n))
+    raise SpecjaxError(
+        f'drafter.init_from: {name} is {got.get(name, "missing")}, the {trainer.kind} drafter this config trains '
+        f'has {fresh.get(name, "none")}'
+    )
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), trainer.start)
+
+
+def check_fields(where: str, loaded, configured, fields: tuple[str, ...], hint: str) -> None:
+  """One error line naming every field in which a `drafter.init_from` checkpoint differs from the config's drafter."""
+  diff = [f'{f} {getattr(loaded, f)!r} (config: {getattr(configured, f)!r})' for f in fields]
+  diff = [d for d, f in zip(diff, fields) if getattr(loaded, f) != getattr(configured, f)]
+  if diff:
+    raise SpecjaxError(f'drafter.init_from {where} differs from this config: {"; ".join(diff)}; {hint}')
+
+
 def check_taps(layer_ids: list[int], num_layers: int) -> None:
   bad = [i for i in layer_ids if not isinstance(i, int) or not 0 <= i < num_layers]
   if bad:
@@ -81,6 +109,8 @@ def check_config(config, target) -> None:
     from specjax.train.dflash import draft_config
 
     draft_config(config, target)  # taps below the last layer, a mask token inside the vocabulary
+  if config['drafter.init_from']:  # the checkpoint loads and fits (a trainer built without data reads no vocabulary)
+    TRAINERS[config['drafter.kind']](config, target, None)
 
 
 def make_trainer(config, target, data) -> DrafterTrainer:
