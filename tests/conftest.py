@@ -5,6 +5,8 @@ import pytest
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
 TINY = os.path.join(FIXTURES, 'tiny_gemma3')
 TINY_SHARDED = os.path.join(FIXTURES, 'tiny_gemma3_sharded')
+# Ragged prompts for the drafter families' end-to-end tests: a code prompt that repeats itself, prose, two tokens.
+RAGGED_PROMPTS = ['def add(a, b):\n    return a + b\n\ndef sub(a, b):\n', 'The capital of France is', 'Hi']
 
 
 @pytest.fixture(scope='session')
@@ -52,6 +54,26 @@ def make_cache(model, b, t, page_size=4, num_slots=1, shuffle_pages=False):
       block_tables=alloc.block_table(list(range(b)), pages_per_seq),
       state_shapes=model.state_shapes,
       num_slots=num_slots,
+  )
+
+
+def close(got, want, tol=2e-5):
+  """`got` equals `want` to `tol` of the largest |want| (a parity check that ignores where the mass is)."""
+  import numpy as np
+
+  got, want = np.asarray(got), np.asarray(want)
+  np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=0)
+
+
+def shuffled_cache(kv_shapes, b: int, t: int, page_size: int = 4):
+  """A paged KV cache for `b` rows of `t` tokens over `kv_shapes` (a drafter's own layers), pages shuffled."""
+  import numpy as np
+  from specjax.cache.paged import KVCache
+
+  per_row = -(-t // page_size)
+  pages = np.random.default_rng(0).permutation(np.arange(1, b * per_row + 1)).astype(np.int32)
+  return KVCache.create(
+      list(kv_shapes), num_pages=b * per_row + 1, page_size=page_size, block_tables=pages.reshape(b, per_row)
   )
 
 

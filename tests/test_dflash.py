@@ -21,12 +21,12 @@ from specjax.models.contract import StepInputs
 from specjax.models.dflash import DFlashConfig, DFlashDraft, block_mask
 from specjax.models.layers import Rope
 from specjax.step import spec_step
-from conftest import FIXTURES
+from conftest import FIXTURES, RAGGED_PROMPTS, close, shuffled_cache
 
 TARGET = f'{FIXTURES}/tiny_qwen3'
 HYBRID = f'{FIXTURES}/tiny_qwen3_5'
 DRAFT = f'{FIXTURES}/tiny_dflash'
-PROMPTS = ['def add(a, b):\n    return a + b\n\ndef sub(a, b):\n', 'The capital of France is', 'Hi']
+PROMPTS = RAGGED_PROMPTS
 
 
 @pytest.fixture(scope='module')
@@ -42,22 +42,6 @@ def ref():
 @pytest.fixture(scope='module')
 def ckpt(target):
   return load_dflash(DRAFT, target)
-
-
-def close(got, want, tol=2e-5):
-  got, want = np.asarray(got), np.asarray(want)
-  np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=0)
-
-
-def draft_cache(draft: DFlashDraft, b: int, t: int, page_size: int = 4) -> KVCache:
-  per_row = -(-t // page_size)
-  pages = np.random.default_rng(0).permutation(np.arange(1, b * per_row + 1)).astype(np.int32)
-  return KVCache.create(
-      list(draft.cache_layout().kv_shapes),
-      num_pages=b * per_row + 1,
-      page_size=page_size,
-      block_tables=pages.reshape(b, per_row),
-  )
 
 
 def test_config(ckpt, ref):
@@ -80,7 +64,7 @@ def test_block_matches_upstream(target, ckpt, ref, step):
   if step == 0:
     for row in range(2):
       close(taps[0][row, : starts[row]], ref['taps'][row, : starts[row]])
-  cache = draft_cache(draft, b, t + n)
+  cache = shuffled_cache(draft.cache_layout().kv_shapes, b, t + n)
   ctx = draft.context(jnp.concatenate(taps, axis=-1))
   cache = draft.append_context(ctx, StepInputs.chain(cache, jnp.asarray(starts), t), cache)
   block = np.full((b, n), 500, np.int32)

@@ -21,13 +21,13 @@ from specjax.models.contract import StepInputs
 from specjax.models.dflash import DFlashConfig, DFlashDraft, block_mask, greedy_choice, place
 from specjax.models.layers import Rope
 from specjax.step import propose_phase, spec_step
-from conftest import FIXTURES
-from test_dflash import close, draft_cache, gather
+from conftest import FIXTURES, RAGGED_PROMPTS, close, shuffled_cache
+from test_dflash import gather
 
 TARGET = f'{FIXTURES}/tiny_qwen3'
 HYBRID = f'{FIXTURES}/tiny_qwen3_5'
 DRAFT = f'{FIXTURES}/tiny_dflash2'
-PROMPTS = ['def add(a, b):\n    return a + b\n\ndef sub(a, b):\n', 'The capital of France is', 'Hi']
+PROMPTS = RAGGED_PROMPTS
 
 
 @pytest.fixture(scope='module')
@@ -71,7 +71,7 @@ def run_block(tgt, draft, ref, step, starts=None):
   b, t = 2, int(starts.max())
   tokens = jnp.asarray(np.maximum(seqs[:, :t], 0))
   _, _, taps = tgt.forward(tokens, StepInputs.chain(None, jnp.asarray(starts), t), None, taps=draft.cfg.taps)
-  cache = draft_cache(draft, b, t + n)
+  cache = shuffled_cache(draft.cache_layout().kv_shapes, b, t + n)
   ctx = draft.context(jnp.concatenate(taps, axis=-1))
   cache = draft.append_context(ctx, StepInputs.chain(cache, jnp.asarray(starts), t), cache)
   block = np.full((b, n), draft.cfg.mask_token_id, np.int32)

@@ -11,11 +11,11 @@ from scipy import stats
 import specjax
 from specjax.drafters import make_drafter
 from specjax.step import propose_phase
-from conftest import FIXTURES
+from conftest import FIXTURES, RAGGED_PROMPTS
 
 TARGET = f'{FIXTURES}/tiny_llama3'
 HEAD = f'{FIXTURES}/tiny_eagle3'
-PROMPTS = ['def add(a, b):\n    return a + b\n\ndef sub(a, b):\n', 'The capital of France is', 'Hi']
+PROMPTS = RAGGED_PROMPTS
 
 
 @pytest.fixture(scope='module')

@@ -19,7 +19,7 @@ from specjax.loading.eagle3 import load_eagle3, save_eagle3
 from specjax.models.contract import StepInputs
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.layers import Rope
-from conftest import FIXTURES, TINY
+from conftest import FIXTURES, TINY, close, shuffled_cache
 
 LAYOUT1 = f'{FIXTURES}/tiny_eagle3'
 SPECULATORS = f'{FIXTURES}/tiny_eagle3_speculators'
@@ -38,23 +38,6 @@ def ref():
 @pytest.fixture(scope='module')
 def ckpt(target):
   return load_eagle3(LAYOUT1, target)
-
-
-def close(got, want, tol=2e-5):
-  got, want = np.asarray(got), np.asarray(want)
-  np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=0)
-
-
-def head_cache(head: Eagle3Head, b: int, t: int, page_size: int = 4) -> KVCache:
-  """A paged cache for the head's one attention layer, pages shuffled."""
-  per_row = -(-t // page_size)
-  pages = np.random.default_rng(0).permutation(np.arange(1, b * per_row + 1)).astype(np.int32)
-  return KVCache.create(
-      list(head.cache_layout().kv_shapes),
-      num_pages=b * per_row + 1,
-      page_size=page_size,
-      block_tables=pages.reshape(b, per_row),
-  )
 
 
 def target_taps(target, ckpt, ids, lens):
@@ -100,7 +83,7 @@ def test_chain_matches_upstream(target, ckpt, ref):
   b, t = ids.shape[0], ids.shape[1] - 1
   k = ref['chain_draft_ids'].shape[1]
   taps = target_taps(target, ckpt, ids[:, :t], n)
-  cache = head_cache(head, b, t + k)
+  cache = shuffled_cache(head.cache_layout().kv_shapes, b, t + k)
   step = jax.jit(lambda e, h, inputs, c: head.forward(e, h, inputs, c))
   embeds = tgt.lookup(jnp.asarray(np.maximum(ids[:, 1:], 0)))
   out, cache = step(embeds, head.fuse(taps), StepInputs.chain(cache, jnp.asarray(n), t), cache)
@@ -218,13 +201,13 @@ def test_cache_free_masked_forward_equals_paged():
   embeds = jnp.asarray(rng.normal(size=(b, 2 * t, 64)), jnp.float32)
   hidden = jnp.asarray(rng.normal(size=(b, 2 * t, 64)), jnp.float32)
   free, _ = head.forward(embeds, hidden, StepInputs(positions, lens, mask), None)
-  cache = head_cache(head, b, 2 * t)
+  cache = shuffled_cache(head.cache_layout().kv_shapes, b, 2 * t)
   paged, cache = head.forward(embeds, hidden, StepInputs.tree(cache, positions, mask, lens), cache)
   close(free, paged)
   # A causal chain: cache-free (no mask) == paged in two chunks.
   lens = jnp.asarray([t, 4], jnp.int32)
   chain, _ = head.forward(embeds[:, :t], hidden[:, :t], StepInputs.chain(None, lens, t), None)
-  cache = head_cache(head, b, t)
+  cache = shuffled_cache(head.cache_layout().kv_shapes, b, t)
   first, cache = head.forward(embeds[:, :3], hidden[:, :3], StepInputs.chain(cache, jnp.asarray([3, 3]), 3), cache)
   second, _ = head.forward(embeds[:, 3:t], hidden[:, 3:t], StepInputs.chain(cache, lens - 3, 3), cache)
   got = np.concatenate([first, second], axis=1)

@@ -18,7 +18,7 @@ from specjax.loading.gemma4_assistant import check_against_target, load_gemma4_a
 from specjax.models.contract import PagedKV
 from specjax.models.gemma4_assistant import FULL, SLIDING, DenseKV, Gemma4Assistant, donor_attention, hf_fill
 from specjax.models.layers import Rope
-from conftest import FIXTURES
+from conftest import FIXTURES, close
 
 CENTROID = f'{FIXTURES}/tiny_gemma4_assistant'
 DENSE = f'{FIXTURES}/tiny_gemma4_assistant_dense'
@@ -34,11 +34,6 @@ def ref():
 @pytest.fixture(scope='module')
 def ckpts():
   return {name: load_gemma4_assistant(path, dtype='float32') for name, path in PATHS.items()}
-
-
-def close(got, want, tol=2e-5):
-  got, want = np.asarray(got), np.asarray(want)
-  np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=0)
 
 
 def target_embed(tokens: np.ndarray) -> np.ndarray:

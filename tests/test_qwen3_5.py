@@ -12,7 +12,7 @@ import specjax
 from specjax.models.contract import StepInputs
 from specjax import SpecjaxError
 from specjax.cache.paged import KVCache
-from conftest import FIXTURES, make_cache
+from conftest import FIXTURES, close, make_cache
 
 QWEN = ['tiny_qwen3_5', 'tiny_qwen3_5_moe', 'tiny_qwen3_next']
 
@@ -36,10 +36,6 @@ def run_model(model, ids, chunks, num_slots=1, **kw):
 def qwen(request):
   ref = np.load(f'{FIXTURES}/{request.param}_reference.npz')
   return specjax.load(f'{FIXTURES}/{request.param}', mtp=True), ref
-
-
-def close(got, want, tol=2e-5):
-  np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=0)
 
 
 def test_prefill_logits_match_transformers(qwen):
