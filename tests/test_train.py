@@ -181,6 +181,27 @@ def test_init_from_starts_at_the_checkpoint(data, tmp_path, kind, drafter):
       make_trainer(resolve(tuned, ['drafter.block_size=8']), model, None)
 
 
+def test_data_fraction_nests_and_keeps_the_eval_set(data, tiny_model):
+  """data.fraction subsets the training records after the eval hold-out (smaller fractions nest); whether eval
+  runs (eval.every, a run-only key) never changes the training rows."""
+  from specjax.train.config import resolve
+  from specjax.train.loop import load_data
+
+  def rows(*overrides):
+    train, evals = load_data(resolve(config(data), list(overrides)), tiny_model, progress=False)
+    seqs = lambda p: {tuple(t[s == g]) for t, s in zip(p.tokens, p.segments) for g in set(s.tolist()) - {0}}
+    return seqs(train), evals and seqs(evals)
+
+  full, full_eval = rows()
+  half, half_eval = rows('data.fraction=0.5')
+  quarter, quarter_eval = rows('data.fraction=0.25')
+  assert quarter < half < full and half_eval == quarter_eval == full_eval
+  assert 0.4 < len(half) / len(full) < 0.6
+  assert rows('eval.every=0') == (full, None)
+  with pytest.raises(SpecjaxError, match=r"'data.fraction' must be in \(0, 1\]"):
+    resolve(config(data), ['data.fraction=0'])
+
+
 def test_ttt_unroll_matches_serving_positions(data):
   """Training-time-test step i at row t = the head fed its own outputs at positions t + 1 .. t + i, as it drafts."""
   from flax import nnx

@@ -44,6 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
               'path': None,  # jsonl: ShareGPT `conversations`, `prompt`/`turns`, `messages` or `text` records
               'sources': [],  # registered sources, e.g. 'sharegpt', 'reasoning_gym:chain_sum', 'stdlib_code'
               'limit': None,  # records per source (None: all)
+              'fraction': 1.0,  # of the training records, after the eval hold-out (data-size ablations; nested)
               'max_len': 512,  # tokens per packed row
               'pack': True,  # several sequences per row (never for hybrid targets)
               'chat_template': 'auto',  # auto: the target's template if it has one, else plain text | none
@@ -202,6 +203,8 @@ def _check_ranges(v: dict) -> None:
     raise SpecjaxError(f"config key 'train.lr' must be positive, got {v['train.lr']}")
   if not 0 <= v['train.warmup'] <= 1 or not 0 <= v['train.end_lr'] <= 1:
     raise SpecjaxError('config keys train.warmup and train.end_lr are fractions in [0, 1]')
+  if not 0 < v['data.fraction'] <= 1:
+    raise SpecjaxError(f"config key 'data.fraction' must be in (0, 1], got {v['data.fraction']}")
   if v['data.max_len'] < 4:
     raise SpecjaxError(f"config key 'data.max_len' must be at least 4, got {v['data.max_len']}")
   if v['data.path'] is None and not v['data.sources'] and v['train.steps'] > 0:

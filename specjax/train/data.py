@@ -377,6 +377,14 @@ def pack(examples: list[Example], max_len: int, *, pack: bool = True, min_len: i
   return out
 
 
+def fraction_of(records: list, fraction: float, seed: int) -> list:
+  """ceil(fraction * n) of `records`, in their order, drawn by a seeded permutation: smaller fractions nest."""
+  if fraction >= 1.0:
+    return records
+  keep = np.random.default_rng([seed, 0xF7AC]).permutation(len(records))[: int(np.ceil(fraction * len(records)))]
+  return [records[i] for i in np.sort(keep)]
+
+
 def batch_rows(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:
   """Row indices of global batch `step`: epochs of a seeded permutation, the remainder dropped."""
   per_epoch = num_rows // batch_size

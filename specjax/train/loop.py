@@ -52,13 +52,15 @@ def load_data(cfg: TrainConfig, target, *, progress: bool = True) -> tuple[data_
   d = cfg.section('data')
   records = data_lib.read_records(d['path'], d['sources'], d['limit'], cfg['train.seed'])
   eval_records = []
-  if cfg['eval.every'] > 0 or cfg['eval.prompts']:
-    if cfg['eval.prompts']:
-      eval_records = list(data_lib.read_jsonl(cfg['eval.prompts'], cfg['eval.limit']))
-    elif len(records) > cfg['eval.limit']:  # held out: eval.limit records spread evenly over every source
-      held = set(np.linspace(0, len(records) - 1, cfg['eval.limit']).round().astype(int).tolist())
-      eval_records = [r for i, r in enumerate(records) if i in held]
-      records = [r for i, r in enumerate(records) if i not in held]
+  if cfg['eval.prompts']:
+    eval_records = list(data_lib.read_jsonl(cfg['eval.prompts'], cfg['eval.limit']))
+  elif 0 < cfg['eval.limit'] < len(records):  # held out (evaluated or not): eval.limit records over every source
+    held = set(np.linspace(0, len(records) - 1, cfg['eval.limit']).round().astype(int).tolist())
+    eval_records = [r for i, r in enumerate(records) if i in held]
+    records = [r for i, r in enumerate(records) if i not in held]
+  if cfg['eval.every'] == 0 and not cfg['eval.prompts']:
+    eval_records = []  # not evaluated: not formatted or regenerated
+  records = data_lib.fraction_of(records, d['fraction'], cfg['train.seed'])
   template = data_lib.chat_template(target.source) if d['chat_template'] == 'auto' else None
   fmt = data_lib.Formatter(target.tokenizer, template, d['loss_on'])
   pack = d['pack'] and not target.is_hybrid  # recurrent layers would carry state across packed sequences
