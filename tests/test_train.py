@@ -388,7 +388,7 @@ def test_hybrid_target_trains_one_sequence_per_row(data, tmp_path):
 
   cfg = config(data, steps=2, ttt_steps=2, save_every=0)
   cfg['target'] = {'model': os.path.join(os.path.dirname(TINY), 'tiny_qwen3_5')}
-  cfg['eval'] = {'every': 0}
+  cfg['eval'] = {'every': 0, 'limit': 0}  # nothing held out
   report = run_training(cfg, str(tmp_path / 'h'), progress=False)
   assert np.isfinite(report['loss'])
   manifest = json.load(open(tmp_path / 'h' / 'manifest.json'))
