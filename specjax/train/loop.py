@@ -211,6 +211,9 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
     raise SpecjaxError(f'train.batch_size={b} must be a multiple of the {len(devices)} devices')
   target = specjax.load(cfg['target.model'], attention_impl=cfg['target.attention_impl'], dtype=cfg['target.dtype'])
   check_config(cfg, target)
+  # drafter.init_from: the checkpoint is read and checked against the config once, before any data (it
+  # supplies what the data would: EAGLE-3's vocabulary map).
+  trainer = make_trainer(cfg, target, None) if cfg['drafter.init_from'] else None
   train_rows, eval_rows = load_data(cfg, target, progress=progress)
   steps = cfg['train.steps']
   if steps > 0 and len(train_rows) < b:
@@ -218,7 +221,8 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
         f'not enough training data: {len(train_rows)} packed rows of {cfg["data.max_len"]} tokens, '
         f'train.batch_size={b} (data with no learnable tokens is skipped)'
     )
-  trainer = make_trainer(cfg, target, train_rows)
+  if trainer is None:
+    trainer = make_trainer(cfg, target, train_rows)
   os.makedirs(out, exist_ok=True)
   features = eval_features = None
   if cfg['train.cache_target']:  # the target runs once per row, before the first step
