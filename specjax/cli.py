@@ -359,8 +359,10 @@ def cmd_train(args) -> int:
 
   report = run_training(args.config, args.out, args.overrides, progress=not args.quiet)
   ev = report['eval']
+  done, steps = report['step'], report['steps']
   print(
-      f"trained {report['steps']} steps (from step {report['start_step']}); loss {report['loss']}; "
+      (f'trained {steps} steps' if done == steps else f'trained to step {done} of {steps} (rerun to resume)')
+      + f" (from step {report['start_step']}); loss {report['loss']}; "
       + (f"eval τ ≈ {ev['tau']:.2f}; " if ev else '')
       + (f"{report['tokens_per_s']:,.0f} tokens/s; " if report['tokens_per_s'] else '')
       + f"drafter in {report['export']}/ (metrics.jsonl, curves.png, manifest.json in {args.out}/)"

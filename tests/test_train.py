@@ -106,6 +106,26 @@ def test_resume_after_kill_is_bit_identical(data, trained, tmp_path):
     run_training(config(data, lr=1e-3), out, progress=False)
 
 
+def test_stop_after_and_time_limit_end_an_invocation_that_resumes(data, trained, tmp_path):
+  """train.stop_after / train.time_limit end a run early, scored, saved and exported; reruns finish it unchanged."""
+  from specjax.train import run_training
+
+  out = str(tmp_path / 'cut')
+  cut = run_training(config(data), out, ['train.stop_after=5'], progress=False)
+  assert cut['step'] == 5 and cut['eval']['step'] == 5
+  assert os.path.exists(os.path.join(out, 'export', 'config.json'))
+  with open(os.path.join(out, 'manifest.json')) as f:
+    manifest = json.load(f)
+  assert manifest['steps_done'] == 5 and 'stopped' in manifest and 'finished' not in manifest
+  again = run_training(config(data), out, ['train.stop_after=5'], progress=False)  # already there: no step
+  assert (again['start_step'], again['step']) == (5, 5)
+  timed = run_training(config(data), out, ['train.time_limit=1e-9'], progress=False)  # one step, then past it
+  assert (timed['start_step'], timed['step']) == (5, 6)
+  report = run_training(config(data), out, progress=False)
+  assert (report['start_step'], report['step']) == (6, 12)
+  assert same(jax.device_get(report['params']), jax.device_get(trained[1]['params']))
+
+
 def test_export_serves_the_trained_drafter(trained):
   import specjax
   from specjax.drafters import make_drafter
@@ -291,6 +311,8 @@ def test_data_parallel_matches_one_device(data, tmp_path):
         (['data.path=MISSING'], 'does not exist'),
         (['drafter.head_from_target=True'], "'drafter.head_from_target' applies to eagle3"),
         (['drafter.init_from=MISSING'], 'not an exported MTP head'),
+        (['train.time_limit=-1'], "'train.time_limit' must be minutes"),
+        (['train.stop_after=-2'], "'train.stop_after' must be at least 0"),
         (['drafter.kind=eagle3', 'drafter.head_from_target=True', 'drafter.init_from=MISSING'], 'both set the first'),
     ],
 )

@@ -74,6 +74,8 @@ def base_config() -> ml_collections.ConfigDict:
               'save_every': 100,
               'keep': 3,  # checkpoints kept
               'cache_target': False,  # run the frozen target once per row, keep its features on disk (`features`)
+              'stop_after': 0,  # end this invocation after that step (0: at train.steps); rerun to resume
+              'time_limit': 0.0,  # minutes: end this invocation at the first step past it (0: none); rerun to resume
           },
           'eval': {
               'prompts': None,  # jsonl (same record shapes); None: eval.limit training records are held out
@@ -152,6 +154,8 @@ _RUN_ONLY = {
     'train.save_every',
     'train.keep',
     'train.cache_target',
+    'train.stop_after',
+    'train.time_limit',
     'eval.every',
     'data.cache_dir',
 }
@@ -196,9 +200,11 @@ def _check_ranges(v: dict) -> None:
     raise SpecjaxError(f"config key 'drafter.block_size' must be at least 2 (one draft), got {v['drafter.block_size']}")
   if not v['train.dflash_gamma'] > 0:
     raise SpecjaxError(f"config key 'train.dflash_gamma' must be positive, got {v['train.dflash_gamma']}")
-  for key in ('train.steps', 'eval.every', 'eval.limit', 'train.save_every', 'train.log_every'):
+  for key in ('train.steps', 'eval.every', 'eval.limit', 'train.save_every', 'train.log_every', 'train.stop_after'):
     if v[key] < 0:
       raise SpecjaxError(f'config key {key!r} must be at least 0, got {v[key]}')
+  if not v['train.time_limit'] >= 0:
+    raise SpecjaxError(f"config key 'train.time_limit' must be minutes, at least 0, got {v['train.time_limit']}")
   if v['train.lr'] <= 0:
     raise SpecjaxError(f"config key 'train.lr' must be positive, got {v['train.lr']}")
   if not 0 <= v['train.warmup'] <= 1 or not 0 <= v['train.end_lr'] <= 1:

@@ -194,8 +194,10 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
 
   `config`: a config file path, ConfigDict, dict or TrainConfig; `overrides`:
   `key=value` strings or a dict. `stop_at` ends the run after that step
-  without exporting, as a kill would (tests). Returns a report: steps run,
-  final loss, eval τ, tokens/s, paths.
+  without exporting, as a kill would (tests). Returns a report: the step
+  reached (`step`, short of `steps` when `train.stop_after` or
+  `train.time_limit` ended this invocation), final loss, eval τ, tokens/s,
+  paths.
   """
   import optax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -204,6 +206,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
 
   started = artifacts.now()
   cfg = resolve(config, overrides)
+  deadline = time.monotonic() + 60 * cfg['train.time_limit'] if cfg['train.time_limit'] else None
   old = _check_out(out, cfg)
   devices = jax.devices()
   b = cfg['train.batch_size']
@@ -294,6 +297,9 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
 
   log = _metrics_log(out, start)
   report = {'out': out, 'start_step': start, 'steps': steps, 'tokens_per_s': None, 'loss': None, 'eval': None}
+  # This invocation ends at `end` (train.stop_after) or at the first step past the deadline (train.time_limit);
+  # either way with a log line, an eval, a checkpoint and an export, so a rerun resumes.
+  end = min(steps, max(cfg['train.stop_after'], start)) if cfg['train.stop_after'] else steps
   bar = None
   if progress and steps > start:
     from tqdm import tqdm
@@ -303,7 +309,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   window = {'loss': 0.0, 'n': 0, 'agree': 0.0, 'count': 0.0, 'tokens': 0, 't0': time.perf_counter()}
   total_tokens, total_s = 0, 0.0
   try:
-    for step in range(start, steps):
+    for step in range(start, end):
       idx = data_lib.batch_rows(len(train_rows), b, step, cfg['train.seed'])
       rows = {**train_rows.take(idx), **(features.take(idx) if features else {})}
       t0 = time.perf_counter()
@@ -314,6 +320,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
       if step > start:  # the first step compiles
         total_tokens, total_s = total_tokens + tokens, total_s + dt
       done = step + 1
+      last = done == end or (deadline is not None and time.monotonic() >= deadline)
       window['loss'] += float(metrics['loss'])
       window['n'] += 1
       window['agree'] += metrics['agree']
@@ -322,7 +329,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
       if bar:
         bar.set_postfix_str(f"loss {float(metrics['loss']):.4f} {tokens / dt:,.0f} tok/s", refresh=False)
         bar.update(1)
-      if done % every == 0 or done == steps:
+      if done % every == 0 or last:
         elapsed = time.perf_counter() - window['t0']
         agree = np.asarray(window['agree']) / np.maximum(window['count'], 1)
         record = {
@@ -340,7 +347,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
         log.flush()
         report['loss'] = record['loss']
         window = {'loss': 0.0, 'n': 0, 'agree': 0.0, 'count': 0.0, 'tokens': 0, 't0': time.perf_counter()}
-      if eval_rows is not None and eval_every and (done % eval_every == 0 or done == steps):
+      if eval_rows is not None and eval_every and (done % eval_every == 0 or last):
         report['eval'] = {'type': 'eval', 'step': done, **evaluate()}
         log.write(json.dumps(report['eval']) + '\n')
         log.flush()
@@ -349,11 +356,13 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
               f"step {done}: eval agreement {[round(a, 3) for a in report['eval']['agree']]}, τ ≈ {report['eval']['tau']:.2f}"
           )
         window['t0'] = time.perf_counter()
-      if (save_every and done % save_every == 0) or done == steps:
+      if (save_every and done % save_every == 0) or last:
         ckpt.save(done, state)
         trainer.export(jax.device_get(state['params']), os.path.join(out, EXPORT))  # servable at every checkpoint
       if stop_at is not None and done >= stop_at:
         return {**report, 'stopped_at': done, 'params': state['params']}
+      if last:
+        break
   finally:
     if bar:
       bar.close()
@@ -364,9 +373,9 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   from specjax.train.plots import write_curves
 
   report['plots'] = write_curves(os.path.join(out, METRICS), os.path.join(out, CURVES))
-  manifest.update(
-      {'finished': artifacts.now(), 'steps_done': int(state['step']), 'tokens_per_s': report['tokens_per_s']}
-  )
+  report['step'] = int(state['step'])
+  ended = 'finished' if report['step'] == steps else 'stopped'  # stopped: by train.stop_after / time_limit
+  manifest.update({ended: artifacts.now(), 'steps_done': report['step'], 'tokens_per_s': report['tokens_per_s']})
   artifacts.write_json(os.path.join(out, artifacts.MANIFEST), manifest)
   report['params'] = state['params']
   report['export'] = os.path.join(out, EXPORT)
