@@ -106,13 +106,17 @@ def test_resume_after_kill_is_bit_identical(data, trained, tmp_path):
     run_training(config(data, lr=1e-3), out, progress=False)
 
 
-def test_stop_after_and_time_limit_end_an_invocation_that_resumes(data, trained, tmp_path):
+def test_stop_after_and_time_limit_end_an_invocation_that_resumes(data, trained, tmp_path, capsys):
   """train.stop_after / train.time_limit end a run early, scored, saved and exported; reruns finish it unchanged."""
+  from specjax import cli
   from specjax.train import run_training
 
   out = str(tmp_path / 'cut')
-  cut = run_training(config(data), out, ['train.stop_after=5'], progress=False)
-  assert cut['step'] == 5 and cut['eval']['step'] == 5
+  cfg = tmp_path / 'cfg.py'
+  cfg.write_text(f'import ml_collections\ndef get_config():\n  return ml_collections.ConfigDict({config(data)!r})\n')
+  assert cli.main(['train', str(cfg), '--out', out, '--quiet', 'train.stop_after=5']) == 0
+  assert capsys.readouterr().out.startswith('trained to step 5 of 12 (rerun to resume) (from step 0)')
+  assert [r['step'] for r in train_lines(out) if r['type'] == 'eval'] == [5]
   assert os.path.exists(os.path.join(out, 'export', 'config.json'))
   with open(os.path.join(out, 'manifest.json')) as f:
     manifest = json.load(f)
