@@ -103,11 +103,11 @@ def e2b_assistant(vocab: int) -> dict:
   }
 
 
-def random_target(hf: dict, tokenizer) -> Model:
+def random_target(hf: dict, tokenizer, dtype=jnp.float32) -> Model:
   """A target of this config with random weights (no checkpoint is written)."""
   _, family = family_for(hf, 'random')
   cfg = family.config_from_hf(hf)
-  graphdef, params = nnx.split(family.build(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(family.build(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
   layout = nnx.merge(graphdef, params).cache_layout()
   return Model(
       graphdef,
@@ -119,7 +119,7 @@ def random_target(hf: dict, tokenizer) -> Model:
       hf['model_type'],
       list(layout.kv_shapes),
       [],
-      jnp.float32,
+      dtype,
   )
 
 

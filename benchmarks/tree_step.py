@@ -10,7 +10,9 @@ An EAGLE-3 head of the shape `configs/train_eagle3_gemma3_270m.py` trains
 one prompt with draft / verify timing (`profile`), rounds interleaved; the
 table gives the median step time, its draft and verify parts, and the ratio
 to the chain step. Acceptance does not enter: the cost of a step is what is
-compared, so random weights serve.
+compared, so random weights serve. `--model random` is Gemma 3 270M's shapes
+with random weights, for a machine without the demo package (a device with
+no network).
 """
 
 from __future__ import annotations
@@ -29,11 +31,34 @@ sys.path.insert(0, str(ROOT))
 
 import specjax  # pylint: disable=g-import-not-at-top
 from specjax.drafters import make_drafter
+from specjax.loading import resolve_dtype
 from specjax.loading.eagle3 import Eagle3Checkpoint, default_taps, load_eagle3
 from specjax.models.eagle3 import Eagle3Head
 from specjax.train.eagle3 import head_config
 
 PROMPT = 'Write a short story about a robot who learns to paint. Once upon a time,'
+
+
+def gemma3_270m_random():
+  """Gemma 3 270M's shapes (its GGUF's config) with random weights, and the tiny Gemma 3 fixture's tokenizer."""
+  from draft_cost import FIXTURES, random_target  # pylint: disable=g-import-not-at-top
+
+  hf = json.loads((FIXTURES / 'tiny_gemma3' / 'config.json').read_text())
+  hf.update(
+      vocab_size=262144,
+      hidden_size=640,
+      intermediate_size=2048,
+      num_hidden_layers=18,
+      num_attention_heads=4,
+      num_key_value_heads=1,
+      head_dim=256,
+      query_pre_attn_scalar=256,
+      sliding_window=512,
+      max_position_embeddings=32768,
+      layer_types=['full_attention' if (i + 1) % 6 == 0 else 'sliding_attention' for i in range(18)],
+  )
+  tokenizer = specjax.load(str(FIXTURES / 'tiny_gemma3')).tokenizer
+  return random_target(hf, tokenizer, resolve_dtype(None))
 
 
 def random_head(model, draft_vocab: int = 16000) -> Eagle3Checkpoint:
@@ -57,7 +82,7 @@ def run(engine, k: int) -> dict:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument('--model', default='gemma-3-270m')
+  p.add_argument('--model', default='gemma-3-270m', help="anything `load` takes, or 'random' (270M's shapes)")
   p.add_argument('--head', default=None, help='an exported EAGLE-3 head (default: random weights)')
   p.add_argument('--depth', type=int, default=5)
   p.add_argument('--nodes', type=int, nargs='+', default=[16, 32, 64])
@@ -67,7 +92,7 @@ def main(argv=None) -> int:
   p.add_argument('--json', default=None)
   args = p.parse_args(argv)
 
-  model = specjax.load(args.model)
+  model = gemma3_270m_random() if args.model == 'random' else specjax.load(args.model)
   head = load_eagle3(args.head, model) if args.head else random_head(model)
   configs = {'chain': {}} | {f'tree {n}': {'tree_topk': args.topk, 'tree_tokens': n} for n in args.nodes}
   engines = {}
