@@ -369,7 +369,8 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
     log.close()
     ckpt.close()
   report['tokens_per_s'] = total_tokens / total_s if total_s > 0 else None
-  trainer.export(jax.device_get(state['params']), os.path.join(out, EXPORT))
+  if end <= start:  # no step ran (train.steps=0, or a rerun of a finished run): the loop exported nothing
+    trainer.export(jax.device_get(state['params']), os.path.join(out, EXPORT))
   from specjax.train.plots import write_curves
 
   report['plots'] = write_curves(os.path.join(out, METRICS), os.path.join(out, CURVES))
