@@ -1,14 +1,16 @@
-"""The trained EAGLE-3 head on Spec-Bench: chain against trees, against n-gram and plain decoding (Gemma 3 270M).
+"""The trained EAGLE-3 head on Spec-Bench: chain against tree at equal verify budget (Gemma 3 270M).
 
-Every category (the first prompt of each, first turn; `prompts.limit=2` doubles it), 64 new tokens, greedy,
-batch 1, K = 5 for every drafter: n-gram prompt lookup, the EAGLE-3 chain (6 tokens verified a step) and an
-EAGLE-2 dynamic tree of 32 nodes (top-4 expansion, depth 5; add `{'kind': 'eagle3', 'draft_model': EXPORT,
-'tree_topk': 4, 'tree_tokens': 16}` for 16). Every prompt is also decoded autoregressively, the speedups'
-baseline. Cells run interleaved prompt by prompt, so every cell meets the same machine load. The head is the
-export of configs/train_eagle3_gemma3_270m.py:
+A chain of K drafts and a tree of K draft nodes both verify K + 1 tokens a step. Cells: depth K in {5, 15}
+crossed with the chain and EAGLE-2 dynamic trees (top-4 expansion) of 5 and 15 draft nodes, so each chain
+has a tree of equal depth and equal budget beside it (K = 5 with 5 nodes, K = 15 with 15), and the other two
+cells trade depth for breadth at a fixed budget. Every category (the first prompt of each, first turn), 64 new
+tokens, greedy, batch 1; every prompt is also decoded autoregressively, the speedups' baseline, and cells run
+interleaved prompt by prompt. n-gram, DFlash and the 32-node tree are in
+configs/trained_drafters_gemma3_270m_specbench.py. The head is the export of
+configs/train_eagle3_gemma3_270m.py:
 
   specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m
-  specjax sweep configs/eagle3_gemma3_270m_specbench.py --out experiments/train_eagle3_gemma3_270m/specbench
+  specjax sweep configs/eagle3_gemma3_270m_specbench.py --out experiments/train_eagle3_gemma3_270m/specbench_budget
 """
 
 from specjax.sweep.config import base_config
@@ -23,10 +25,10 @@ def get_config():
   config.max_new_tokens = 64
   config.interleave = True
   config.prompts.limit = 1
-  config.policy.k = 5
+  config.grid.policy = {'k': [5, 15]}
   config.grid.drafter = [
-      {'kind': 'ngram'},
       {'kind': 'eagle3', 'draft_model': EXPORT},
-      {'kind': 'eagle3', 'draft_model': EXPORT, 'tree_topk': 4, 'tree_tokens': 32},
+      {'kind': 'eagle3', 'draft_model': EXPORT, 'tree_topk': 4, 'tree_tokens': 5},
+      {'kind': 'eagle3', 'draft_model': EXPORT, 'tree_topk': 4, 'tree_tokens': 15},
   ]
   return config
