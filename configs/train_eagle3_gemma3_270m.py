@@ -4,7 +4,10 @@ specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3
 
 Taps: outputs of layers 1, 8 and 14 of the 18 (1, L/2 - 1, L - 4); one Llama
 layer of the target's width (640), heads (4 q / 1 kv, head dim 256) and MLP;
-draft vocabulary: the 8192 most frequent target tokens of the training data,
+the layer's residual is hidden_norm(fc(taps)) (`drafter.norm_before_residual`,
+the default: Gemma's taps have RMS 40-900, and with the raw fc(taps) as the
+residual a head trained here ignored its input token); draft vocabulary: the
+8192 most frequent target tokens of the training data,
 as d2t / t2d (the draft head and the target's draft-vocab projection are most
 of a step's cost on a CPU). Training-time test unrolled 6 steps (chains of 5
 drafts and the bonus), weights 0.8^i. The head starts at random, as

@@ -198,6 +198,8 @@ def test_init_from_starts_at_the_checkpoint(data, tmp_path, kind, drafter):
     np.testing.assert_array_equal(trainer.d2t, load_eagle3(export, model).d2t)
     with pytest.raises(SpecjaxError, match=r'differs from this config: draft_vocab_size 128 \(config: 64\)'):
       make_trainer(resolve(tuned, ['drafter.draft_vocab_size=64']), model, None)
+    with pytest.raises(SpecjaxError, match=r'norm_before_residual True \(config: False\)'):
+      make_trainer(resolve(tuned, ['drafter.norm_before_residual=False']), model, None)
     report = run_training(tuned, str(tmp_path / 'b'), ['train.steps=2', 'eval.every=0'], progress=False)
     assert np.isfinite(report['loss'])
   if kind == 'dflash':

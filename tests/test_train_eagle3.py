@@ -39,7 +39,8 @@ def eagle3_config(data, **train):
 
 
 @needs_head
-def test_ttt_unroll_matches_serving_positions(tmp_path):
+@pytest.mark.parametrize('norm_before_residual', [True, False])
+def test_ttt_unroll_matches_serving_positions(tmp_path, norm_before_residual):
   from flax import nnx
 
   import specjax
@@ -49,8 +50,10 @@ def test_ttt_unroll_matches_serving_positions(tmp_path):
   from specjax.train.trainers import make_trainer
 
   model = specjax.load(TINY)
-  cfg = resolve(eagle3_config(make_data(tmp_path / 'd.jsonl', 6)), ['train.ttt_steps=3'])
+  overrides = ['train.ttt_steps=3', f'drafter.norm_before_residual={norm_before_residual}']
+  cfg = resolve(eagle3_config(make_data(tmp_path / 'd.jsonl', 6)), overrides)
   trainer = make_trainer(cfg, model, None)
+  assert trainer.cfg.norm_before_residual is norm_before_residual
   params = trainer.init(jax.random.key(3))
   target, head = model.module(), nnx.merge(trainer.graphdef, params)
   t_len = 12
@@ -117,6 +120,7 @@ def test_eagle3_trains_and_exports(tmp_path):
   assert same(jax.device_get(ckpt.params), jax.device_get(report['params']))
   assert ckpt.d2t.shape == (128,) and ckpt.t2d.sum() == 128
   assert ckpt.config.taps == (1, 2, 2)  # layers 1, L/2 - 1, L - 4 of the 6-layer target
+  assert ckpt.config.norm_before_residual  # the config's default, exported in config.json
 
 
 @needs_head

@@ -38,6 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
               'mask_token_id': None,  # dflash: None: the tokenizer's mask token, a spare embedding row, pad or unk
               'target_layer_ids': [],  # taps (eagle3, dflash); empty: the family's default
               'head_from_target': False,  # eagle3: start lm_head and the final norm from the target's (draft vocab columns)
+              'norm_before_residual': True,  # eagle3: the layer's residual is hidden_norm(fc(taps)), not fc(taps)
               'init_from': None,  # a drafter directory of this kind (an export or upstream checkpoint) to start from
           },
           'data': {

@@ -2,7 +2,10 @@
 
 Step 0 at row t: `fc` of the taps (residuals after `drafter.target_layer_ids`,
 default layers 1, L/2 - 1, L - 4) with the raw embedding of x_{t+1}, at
-position t; step i feeds step i - 1's output (the layer's residual, before the
+position t (the layer's residual is `hidden_norm(fc(taps))` with
+`drafter.norm_before_residual`, the default: the speculators recipe's; SpecForge
+adds the raw `fc(taps)`, which on Gemma 3 is ~30x what attention and MLP add,
+so a head trained that way ignored its token; experiments/train_eagle3_gemma3_270m); step i feeds step i - 1's output (the layer's residual, before the
 final norm) with x_{t+i+1} at position t + i and attends to step 0's keys
 causally OR the later steps' keys at its own row (`losses.ttt_attention`).
 Loss: soft cross-entropy against the target distribution restricted to the
@@ -162,6 +165,7 @@ def head_config(config, target, taps: tuple[int, ...]):
       draft_vocab_size=config['drafter.draft_vocab_size'],
       taps=taps,
       max_position_embeddings=c.max_position_embeddings,  # a small value here silently lowers τ when served
+      norm_before_residual=config['drafter.norm_before_residual'],
   )
 
 
@@ -183,9 +187,9 @@ def make(config, target, data) -> Eagle3Trainer:
         ck.source,
         ck.config,
         cfg,
-        ('taps', 'draft_vocab_size', 'has_embedding'),
-        "set drafter.target_layer_ids and drafter.draft_vocab_size to the checkpoint's (its own embed_tokens "
-        "cannot be trained: training reads the target's)",
+        ('taps', 'draft_vocab_size', 'norm_before_residual', 'has_embedding'),
+        'set drafter.target_layer_ids, drafter.draft_vocab_size and drafter.norm_before_residual to the '
+        "checkpoint's (its own embed_tokens cannot be trained: training reads the target's)",
     )
     cfg, start, d2t, t2d = ck.config, ck.params, ck.d2t.astype(np.int64), ck.t2d
     if t2d is None:
