@@ -64,22 +64,18 @@ def main():
     best = jnp.argmax(model.logits(hidden), -1)  # [1, T]
     fused = head.fuse(jnp.concatenate(taps, -1))[:, :-1]
     chain = StepInputs.chain(None, jnp.asarray([t - 1]), t - 1)
-    reads = {}
+    reads, outs = {}, {}
     for name, ids, h in (
         ('head', tokens[:, 1:], fused),
         ('head, tokens shuffled', shuffled[:, 1:], fused),
         ('head, taps zeroed', tokens[:, 1:], jnp.zeros_like(fused)),
     ):
-      out, _ = head.forward(model.lookup(ids), h, chain, None)
-      reads[name] = jnp.argmax(head.logits(out), -1)
-      if name == 'head':
-        residual = head.hidden_norm(h) if ck.config.norm_before_residual else h
-        sizes = {
-            'residual rms': jnp.sqrt(jnp.mean(residual**2)),
-            'layer adds rms': jnp.sqrt(jnp.mean((out - residual) ** 2)),
-        }
-    sizes.update({f'tap {i} rms': jnp.sqrt(jnp.mean(x**2)) for i, x in zip(ck.config.taps, taps)})
-    sizes['fc(taps) rms'] = jnp.sqrt(jnp.mean(fused**2))
+      outs[name], _ = head.forward(model.lookup(ids), h, chain, None)
+      reads[name] = jnp.argmax(head.logits(outs[name]), -1)
+    rms = lambda x: jnp.sqrt(jnp.mean(x**2))
+    residual = head.hidden_norm(fused) if ck.config.norm_before_residual else fused
+    sizes = {f'tap {i} rms': rms(x) for i, x in zip(ck.config.taps, taps)}
+    sizes |= {'fc(taps) rms': rms(fused), 'residual rms': rms(residual), 'layer adds rms': rms(outs['head'] - residual)}
     return best, reads, sizes
 
   rng = np.random.default_rng(0)

@@ -5,9 +5,10 @@ default layers 1, L/2 - 1, L - 4) with the raw embedding of x_{t+1}, at
 position t (the layer's residual is `hidden_norm(fc(taps))` with
 `drafter.norm_before_residual`, the default: the speculators recipe's; SpecForge
 adds the raw `fc(taps)`, which on Gemma 3 is ~30x what attention and MLP add,
-so a head trained that way ignored its token; experiments/train_eagle3_gemma3_270m); step i feeds step i - 1's output (the layer's residual, before the
-final norm) with x_{t+i+1} at position t + i and attends to step 0's keys
-causally OR the later steps' keys at its own row (`losses.ttt_attention`).
+so a head trained that way ignored its token; experiments/train_eagle3_gemma3_270m);
+step i feeds step i - 1's output (the layer's residual, before the final norm)
+with x_{t+i+1} at position t + i and attends to step 0's keys causally OR the
+later steps' keys at its own row (`losses.ttt_attention`).
 Loss: soft cross-entropy against the target distribution restricted to the
 draft vocabulary (rows whose target argmax is outside it skipped), step i
 weighted `train.ttt_decay`^i. The draft vocabulary is the `draft_vocab_size`
