@@ -1,4 +1,5 @@
-"""EAGLE-3 head: parity with SafeAILab/EAGLE's cnets.py, both checkpoint layouts, save round trip, bad input."""
+"""EAGLE-3 head: parity with SafeAILab/EAGLE's cnets.py, both checkpoint layouts, norm variants, save round trip,
+bad input."""
 
 import dataclasses
 import json
@@ -153,6 +154,39 @@ def test_save_round_trip(tmp_path, target, ckpt):
   assert_same(again, dataclasses.replace(half, t2d=None))
 
 
+def test_norm_variants(tmp_path, target, ckpt):
+  """norm_before_fc, fc_norm (EAGLE 3.1) and norm_output, read from a checkpoint, against the plain head.
+
+  The taps go through `input_norm` (one RMS norm over all of them), then one RMS norm per tap, then `fc`; with
+  `norm_output` a step's output is the final-normed residual stream, and `logits` does not norm it again.
+  """
+  rng = np.random.default_rng(4)
+  norms = {'input_norm.weight': rng.uniform(0.5, 1.5, 192).astype(np.float32)}
+  norms.update({f'fc_norm.{i}.weight': rng.uniform(0.5, 1.5, 64).astype(np.float32) for i in range(3)})
+  flags = {'eagle_config.norm_before_fc': True, 'fc_norm': True, 'norm_output': True}  # vLLM reads both places
+  variant = load_eagle3(broken(tmp_path, LAYOUT1, config=flags, tensors=norms), target, dtype='float32')
+  assert variant.config == dataclasses.replace(ckpt.config, norm_before_fc=True, fc_norm=True, norm_output=True)
+  plain, head = load_eagle3(LAYOUT1, target, dtype='float32').module(), variant.module()
+  taps = np.asarray(jax.random.normal(jax.random.key(0), (2, 5, 192))) * np.repeat([3.0, 40.0, 900.0], 64)
+  rms = lambda x: np.sqrt(np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True) + 1e-5)
+  x = taps / rms(taps) * norms['input_norm.weight']
+  x = np.concatenate([c / rms(c) * norms[f'fc_norm.{i}.weight'] for i, c in enumerate(np.split(x, 3, -1))], -1)
+  want = plain.fuse(jnp.asarray(x, jnp.float32))
+  fused = head.fuse(jnp.asarray(taps, jnp.float32))
+  close(fused, want)
+  embeds = target.module().lookup(jnp.asarray([[5, 9, 11, 2, 7], [3, 3, 8, 1, 0]]))
+  inputs = StepInputs.chain(None, jnp.asarray([5, 4]), 5)
+  residual, _ = plain.forward(embeds, fused, inputs, None)
+  out, _ = head.forward(embeds, fused, inputs, None)
+  close(out, plain.norm(residual))  # what the next step reads
+  close(head.logits(out), plain.logits(residual))
+  save_eagle3(str(tmp_path / 'saved'), variant.config, variant.params, variant.d2t, variant.t2d)
+  hf = json.loads((tmp_path / 'saved' / 'config.json').read_text())
+  assert (hf['norm_before_fc'], hf['fc_norm'], hf['norm_output']) == (True, True, True)
+  assert set(norms) <= set(load_file(tmp_path / 'saved' / 'model.safetensors'))
+  assert_same(load_eagle3(str(tmp_path / 'saved'), target, dtype='float32'), variant)
+
+
 def tiny_config(**kw) -> Eagle3Config:
   base = dict(
       hidden_size=64,
@@ -270,7 +304,8 @@ BAD = {
     'embedding tap id': (SPECULATORS, dict(config={'eagle_aux_hidden_state_layer_ids': [0, 1, 2]}), r'\[-1, 0, 1\]'),
     'default taps': (LAYOUT1, dict(config={'eagle_config': None}), 'default taps'),
     'layers': (LAYOUT1, dict(config={'num_hidden_layers': 2}), 'one-layer heads'),
-    'variant': (SPECULATORS, dict(config={'fc_norm': True}), 'fc_norm=True is not supported'),
+    'variant tensors': (SPECULATORS, dict(config={'fc_norm': True}), r'missing tensors.*fc_norm\.0\.weight'),
+    'variant flag': (LAYOUT1, dict(config={'norm_output': 'yes'}), "norm_output must be true or false, got 'yes'"),
     'missing tensors': (LAYOUT1, dict(drop=['midlayer.hidden_norm.weight', 'norm.weight']), 'missing tensors'),
     'missing speculators tensor': (SPECULATORS, dict(drop=['layers.0.mlp.up_proj.weight']), 'layers.0.mlp.up_proj'),
     'shape': (LAYOUT1, dict(config={'intermediate_size': 80}), r"'midlayer.mlp.gate_proj.weight' has shape \[96, 64\]"),

@@ -1,7 +1,6 @@
-"""EAGLE-3 training on the tiny target: draft vocabulary, the TTT unroll = serving positions, loss falls, export
-round trip (skipped until the EAGLE-3 head module exists)."""
+"""EAGLE-3 training on the tiny target: draft vocabulary, the TTT unroll = serving positions (every norm variant),
+loss falls, export round trip."""
 
-import importlib.util
 import json
 import os
 
@@ -12,10 +11,6 @@ import pytest
 
 from conftest import TINY
 from test_train import config, make_data, same, train_lines
-
-needs_head = pytest.mark.skipif(
-    importlib.util.find_spec('specjax.models.eagle3') is None, reason='needs specjax/models/eagle3.py'
-)
 
 
 def test_draft_vocabulary():
@@ -38,9 +33,15 @@ def eagle3_config(data, **train):
   return cfg
 
 
-@needs_head
-@pytest.mark.parametrize('norm_before_residual', [True, False])
-def test_ttt_unroll_matches_serving_positions(tmp_path, norm_before_residual):
+VARIANTS = {  # drafter.* overrides
+    'speculators': [],
+    'specforge': ['drafter.norm_before_residual=False'],
+    'eagle3.1': ['drafter.fc_norm=True', 'drafter.norm_output=True', 'drafter.norm_before_fc=True'],
+}
+
+
+@pytest.mark.parametrize('variant', list(VARIANTS))
+def test_ttt_unroll_matches_serving_positions(tmp_path, variant):
   from flax import nnx
 
   import specjax
@@ -50,11 +51,13 @@ def test_ttt_unroll_matches_serving_positions(tmp_path, norm_before_residual):
   from specjax.train.trainers import make_trainer
 
   model = specjax.load(TINY)
-  overrides = ['train.ttt_steps=3', f'drafter.norm_before_residual={norm_before_residual}']
-  cfg = resolve(eagle3_config(make_data(tmp_path / 'd.jsonl', 6)), overrides)
+  cfg = resolve(eagle3_config(make_data(tmp_path / 'd.jsonl', 6)), ['train.ttt_steps=3', *VARIANTS[variant]])
   trainer = make_trainer(cfg, model, None)
-  assert trainer.cfg.norm_before_residual is norm_before_residual
+  assert trainer.cfg.norm_before_residual is (variant != 'specforge')
+  assert trainer.cfg.fc_norm is trainer.cfg.norm_output is trainer.cfg.norm_before_fc is (variant == 'eagle3.1')
   params = trainer.init(jax.random.key(3))
+  perturb = lambda path, x: x * (1 + 0.3 * jnp.sin(jnp.arange(x.size).reshape(x.shape))) if 'norm' in str(path) else x
+  params = jax.tree.map_with_path(perturb, params)  # norm weights away from their initial ones
   target, head = model.module(), nnx.merge(trainer.graphdef, params)
   t_len = 12
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, 500, (1, t_len)), jnp.int32)
@@ -78,7 +81,6 @@ def test_ttt_unroll_matches_serving_positions(tmp_path, norm_before_residual):
     hs.append(out[0, -1])
 
 
-@needs_head
 def test_head_from_target_starts_with_the_targets_head(tmp_path):
   """drafter.head_from_target: the initial head is the target's logit lens on its last tap (draft vocabulary)."""
   from flax import nnx
@@ -103,7 +105,6 @@ def test_head_from_target_starts_with_the_targets_head(tmp_path):
   assert not np.allclose(cold.logits(out), want, atol=1e-2)
 
 
-@needs_head
 def test_eagle3_trains_and_exports(tmp_path):
   from specjax.loading.eagle3 import load_eagle3
   from specjax.train import run_training
@@ -121,9 +122,12 @@ def test_eagle3_trains_and_exports(tmp_path):
   assert ckpt.d2t.shape == (128,) and ckpt.t2d.sum() == 128
   assert ckpt.config.taps == (1, 2, 2)  # layers 1, L/2 - 1, L - 4 of the 6-layer target
   assert ckpt.config.norm_before_residual  # the config's default, exported in config.json
+  variant = run_training(eagle3_config(data, steps=1, ttt_steps=2), str(tmp_path / 'e31'), VARIANTS['eagle3.1'])
+  ckpt = load_eagle3(str(tmp_path / 'e31' / 'export'), specjax.load(TINY), dtype='float32')
+  assert ckpt.config.fc_norm and ckpt.config.norm_output and ckpt.config.norm_before_fc
+  assert same(jax.device_get(ckpt.params), jax.device_get(variant['params']))
 
 
-@needs_head
 def test_cached_target_features_train_the_same(tmp_path):
   """`train.cache_target`: the target runs once per row; the steps then match the in-step target's."""
   from specjax.train import run_training

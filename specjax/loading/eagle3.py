@@ -5,6 +5,8 @@ Layouts (a directory with `config.json` and safetensors, or a hub id):
      `Eagle3LlamaForCausalLM`), the Llama shape fields, `draft_vocab_size`, optional `target_hidden_size`,
      `norm_before_residual` and `eagle_config.eagle_aux_hidden_state_layer_ids`; tensors `fc`, `midlayer.*`,
      `norm`, `lm_head [draft V, H]`, `d2t [draft V]`, `t2d [V]`, optional `embed_tokens`.
+     Norm variants (in `eagle_config` or at the top level, as vLLM reads them): `norm_before_fc` (tensor
+     `input_norm [n·H]`), `fc_norm` (`fc_norm.{i} [H]`, EAGLE 3.1) and `norm_output`.
   2. vllm-project/speculators: `architectures: ["Eagle3Speculator"]`, `speculators_model_type: eagle3`, the
      layer's shape in `transformer_layer_config`, `eagle_aux_hidden_state_layer_ids` and the flags at the top
      level; the layer's tensors under `layers.0.*` instead of `midlayer.*`.
@@ -88,10 +90,16 @@ def _taps(ids: Any, convention: str, num_layers: int, where: str) -> tuple[int, 
   return taps
 
 
-def _refuse_flags(hf: dict, flags: dict[str, Any], where: str) -> None:
-  for flag, supported in flags.items():
-    if flag in hf and hf[flag] is not None and bool(hf[flag]) != supported:
-      raise SpecjaxError(f'{where}: {flag}={hf[flag]!r} is not supported (specjax runs the plain EAGLE-3 head)')
+def _flags(hf: dict, where: str) -> dict[str, bool]:
+  """The head's norm variants (`Eagle3Config` fields), read from `eagle_config` first, then the top level (vLLM)."""
+  nested = hf.get('eagle_config') or {}
+  flags = {}
+  for flag in ('norm_before_fc', 'fc_norm', 'norm_output'):
+    value = nested.get(flag, hf.get(flag))
+    if value is not None and not isinstance(value, bool):
+      raise SpecjaxError(f'{where}: {flag} must be true or false, got {value!r}')
+    flags[flag] = bool(value)
+  return flags
 
 
 def config_from_hf(hf: dict, num_layers: int, where: str) -> tuple[Eagle3Config, str]:
@@ -107,12 +115,10 @@ def config_from_hf(hf: dict, num_layers: int, where: str) -> tuple[Eagle3Config,
         raise SpecjaxError(
             f'{where}: transformer_layer_config.model_type {layer.get("model_type")!r} is not supported (llama)'
         )
-      _refuse_flags(top, {'norm_before_fc': False, 'fc_norm': False, 'norm_output': False}, where)
       norm_before_residual = bool(top.get('norm_before_residual', True))  # vLLM's default for speculators configs
       taps = _taps(top.get('eagle_aux_hidden_state_layer_ids'), 'input', num_layers, where)
     elif any(a in LAYOUT1_ARCHITECTURES for a in archs):
       layer, top, prefix = hf, hf, eagle3.LAYER
-      _refuse_flags(hf, {'fc_norm': False, 'norm_before_fc': False, 'norm_output': True}, where)
       eagle_config = hf.get('eagle_config') or {}
       if eagle_config.get('use_aux_hidden_state', True) is False:
         raise SpecjaxError(f'{where}: eagle_config.use_aux_hidden_state=false (no target taps) is not supported')
@@ -143,6 +149,7 @@ def config_from_hf(hf: dict, num_layers: int, where: str) -> tuple[Eagle3Config,
         target_hidden_size=int(top.get('target_hidden_size') or hidden),
         taps=taps,
         norm_before_residual=norm_before_residual,
+        **_flags(top, where),
         max_position_embeddings=int(layer.get('max_position_embeddings') or 2048),
         activation=act,
     )
@@ -275,6 +282,9 @@ def config_to_hf(cfg: Eagle3Config, dtype: str) -> dict[str, Any]:
       'vocab_size': cfg.vocab_size,
       'draft_vocab_size': cfg.draft_vocab_size,
       'norm_before_residual': cfg.norm_before_residual,
+      'norm_before_fc': cfg.norm_before_fc,
+      'fc_norm': cfg.fc_norm,
+      'norm_output': cfg.norm_output,
       'tie_word_embeddings': False,
       'attention_bias': False,
       'mlp_bias': False,

@@ -10,6 +10,12 @@ residual `h` (or `hidden_norm(h)` with `norm_before_residual`); the MLP is
 pre-normed by `post_attention_layernorm`. The layer output, before the final
 norm, is what the next draft step feeds back as `h`; `lm_head(norm(out))` scores
 a draft vocabulary, mapped to target ids by `d2t` (target = draft + d2t[draft]).
+Variants (config flags of vLLM, SGLang and speculators checkpoints):
+`norm_before_fc` RMS-normalises the concatenated taps before `fc` (`input_norm`,
+one weight over n·H); `fc_norm` normalises each tap on its own (`fc_norm.{i}`,
+EAGLE 3.1), after `input_norm` when both are set; `norm_output` feeds the next
+step the final-normed output instead of the residual (EAGLE 3.1), so `logits`
+does not norm it again.
 The embedding is the target's table, a raw lookup (no Gemma sqrt(H) scale),
 unless the checkpoint ships its own `embed_tokens`. RMSNorms are plain `x * w`.
 
@@ -28,7 +34,7 @@ from flax import nnx
 
 from specjax.cache.paged import KVCache
 from specjax.models.contract import CacheLayout, PagedKV, StepInputs
-from specjax.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, Rope, param
+from specjax.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, Rope, param, rms_normalize
 from specjax.models.transformer import mlp_params
 from specjax.models.weights import tensor_taker
 
@@ -47,6 +53,9 @@ class Eagle3Config:
   target_hidden_size: int | None = None  # width of each tap; None: hidden_size (always an int once built)
   taps: tuple[int, ...]  # target layers whose output residual feeds fc, 0-based (`DecoderLM.forward(taps=...)`)
   norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h
+  norm_before_fc: bool = False  # input_norm: one RMS norm over the concatenated taps before fc
+  fc_norm: bool = False  # one RMS norm per tap before fc (EAGLE 3.1)
+  norm_output: bool = False  # the step's output (fed back and scored) is norm(layer output) (EAGLE 3.1)
   has_embedding: bool = False  # the checkpoint ships embed_tokens (else the target's table is used)
   max_position_embeddings: int = 8192  # exported as is: keep it >= the target's context (see save_eagle3)
   activation: str = 'silu'
@@ -72,7 +81,12 @@ class Eagle3Head(nnx.Module):
     d = cfg.hidden_size
     norm = lambda: RMSNorm(d, eps=cfg.norm_eps, offset=0.0, dtype=dtype)
     self.cfg = cfg
-    self.fc = param(rngs, (len(cfg.taps) * cfg.target_hidden_size, d), dtype)
+    n, width = len(cfg.taps), cfg.target_hidden_size
+    self.fc = param(rngs, (n * width, d), dtype)
+    if cfg.norm_before_fc:
+      self.input_norm = RMSNorm(n * width, eps=cfg.norm_eps, offset=0.0, dtype=dtype)
+    if cfg.fc_norm:
+      self.fc_norm = nnx.Param(jnp.ones((n, width), dtype))  # [n, H]: tap i's norm weight in row i
     if cfg.has_embedding:
       self.embed_tokens = param(rngs, (cfg.vocab_size, d), dtype, fan_in=d)
     self.input_layernorm = norm()
@@ -88,6 +102,11 @@ class Eagle3Head(nnx.Module):
     return CacheLayout(((self.cfg.num_kv_heads, self.cfg.head_dim),))
 
   def fuse(self, taps: jax.Array) -> jax.Array:  # [B, T, E] (the taps side by side, in cfg.taps order) -> [B, T, D]
+    if self.cfg.norm_before_fc:
+      taps = self.input_norm(taps)
+    if self.cfg.fc_norm:
+      per_tap = rms_normalize(taps.reshape(*taps.shape[:-1], len(self.cfg.taps), -1), self.cfg.norm_eps)
+      taps = (per_tap * self.fc_norm[...].astype(jnp.float32)).reshape(taps.shape).astype(taps.dtype)
     return jnp.einsum('...e,ed->...d', taps, self.fc[...])
 
   def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
@@ -103,7 +122,7 @@ class Eagle3Head(nnx.Module):
       inputs: StepInputs,
       cache: KVCache | None,  # one attention layer; None: attend among the given tokens only, with inputs.mask
   ) -> tuple[jax.Array, KVCache | None]:
-    """Returns the residual stream after the layer `[B, T, D]` (before the final norm) and the cache."""
+    """Returns the step's output `[B, T, D]` (`output` of the layer's residual stream) and the cache."""
     normed = self.hidden_norm(hidden)
     residual = normed if self.cfg.norm_before_residual else hidden
     x = jnp.concatenate([self.input_layernorm(embeds), normed], axis=-1)
@@ -115,10 +134,14 @@ class Eagle3Head(nnx.Module):
     x = x + self.mlp(self.post_attention_layernorm(x))
     if cache is not None:
       cache = dataclasses.replace(cache, k_pages=(kv.k_pages,), v_pages=(kv.v_pages,), lengths=kv.lengths)
-    return x, cache
+    return self.output(x), cache
 
-  def logits(self, out: jax.Array) -> jax.Array:  # [..., D] -> [..., V] over the draft vocabulary
-    return jnp.einsum('...d,dv->...v', self.norm(out), self.lm_head[...])
+  def output(self, x: jax.Array) -> jax.Array:  # [..., D] the layer's residual stream -> what the next step reads
+    return self.norm(x) if self.cfg.norm_output else x
+
+  def logits(self, out: jax.Array) -> jax.Array:  # [..., D] a step's output -> [..., V] over the draft vocabulary
+    normed = out if self.cfg.norm_output else self.norm(out)
+    return jnp.einsum('...d,dv->...v', normed, self.lm_head[...])
 
 
 # ---------------------------------------------------------------- checkpoint mapping
@@ -129,7 +152,12 @@ LAYER = 'midlayer.'  # the decoder layer's prefix in the SpecForge / EAGLE / vLL
 def hf_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
   """The head's tensors in the SpecForge / EAGLE / vLLM layout (without `d2t` / `t2d`): name -> shape."""
   d, n, k, h, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-  shapes = {'fc.weight': (d, len(cfg.taps) * cfg.target_hidden_size)}
+  taps, width = len(cfg.taps), cfg.target_hidden_size
+  shapes = {'fc.weight': (d, taps * width)}
+  if cfg.norm_before_fc:
+    shapes['input_norm.weight'] = (taps * width,)
+  if cfg.fc_norm:
+    shapes.update({f'fc_norm.{i}.weight': (width,) for i in range(taps)})
   for norm in ('input_layernorm', 'hidden_norm', 'post_attention_layernorm'):
     shapes[f'{LAYER}{norm}.weight'] = (d,)
   for name, rows in (('q', n * h), ('k', k * h), ('v', k * h)):
@@ -168,6 +196,11 @@ def params_from_hf(cfg: Eagle3Config, tensors: dict[str, np.ndarray]) -> dict[st
       'norm': norm('norm'),
       'lm_head': take('lm_head.weight', (cfg.draft_vocab_size, d)).T,
   }
+  taps, width = len(cfg.taps), cfg.target_hidden_size
+  if cfg.norm_before_fc:
+    params['input_norm'] = {'scale': take('input_norm.weight', (taps * width,))}
+  if cfg.fc_norm:
+    params['fc_norm'] = np.stack([take(f'fc_norm.{i}.weight', (width,)) for i in range(taps)])
   if cfg.has_embedding:
     params['embed_tokens'] = take('embed_tokens.weight', (cfg.vocab_size, d))
   return params
@@ -196,6 +229,10 @@ def params_to_hf(cfg: Eagle3Config, params: dict[str, Any]) -> dict[str, np.ndar
       'norm.weight': arr(params['norm']['scale']),
       'lm_head.weight': arr(params['lm_head']).T,
   }
+  if cfg.norm_before_fc:
+    tensors['input_norm.weight'] = arr(params['input_norm']['scale'])
+  if cfg.fc_norm:
+    tensors.update({f'fc_norm.{i}.weight': w for i, w in enumerate(arr(params['fc_norm']))})
   if cfg.has_embedding:
     tensors['embed_tokens.weight'] = arr(params['embed_tokens'])
   return {name: np.ascontiguousarray(w) for name, w in tensors.items()}

@@ -39,6 +39,9 @@ def base_config() -> ml_collections.ConfigDict:
               'target_layer_ids': [],  # taps (eagle3, dflash); empty: the family's default
               'head_from_target': False,  # eagle3: start lm_head and the final norm from the target's (draft vocab columns)
               'norm_before_residual': True,  # eagle3: the layer's residual is hidden_norm(fc(taps)), not fc(taps)
+              'norm_before_fc': False,  # eagle3: one RMS norm over the concatenated taps before fc
+              'fc_norm': False,  # eagle3: one RMS norm per tap before fc (EAGLE 3.1)
+              'norm_output': False,  # eagle3: the next step reads the final-normed output (EAGLE 3.1)
               'init_from': None,  # a drafter directory of this kind (an export or upstream checkpoint) to start from
           },
           'data': {

@@ -5,7 +5,10 @@ default layers 1, L/2 - 1, L - 4) with the raw embedding of x_{t+1}, at
 position t (the layer's residual is `hidden_norm(fc(taps))` with
 `drafter.norm_before_residual`, the default: the speculators recipe's; SpecForge
 adds the raw `fc(taps)`, which on Gemma 3 is ~30x what attention and MLP add,
-so a head trained that way ignored its token; experiments/train_eagle3_gemma3_270m);
+so a head trained that way ignored its token; experiments/train_eagle3_gemma3_270m;
+`drafter.norm_before_fc` / `drafter.fc_norm` normalise the taps before `fc`,
+all together or each on its own, and `drafter.norm_output` feeds the next step
+the final-normed output: `Eagle3Config`'s variants);
 step i feeds step i - 1's output (the layer's residual, before the final norm)
 with x_{t+i+1} at position t + i and attends to step 0's keys causally OR the
 later steps' keys at its own row (`losses.ttt_attention`).
@@ -30,6 +33,8 @@ from flax import nnx
 from specjax.train.features import from_batch
 from specjax.train.losses import segment_mask, shift, soft_ce, target_distribution, target_features, ttt_attention
 from specjax.train.trainers import DrafterTrainer, check_fields
+
+NORM_FLAGS = ('norm_before_residual', 'norm_before_fc', 'fc_norm', 'norm_output')  # drafter.* keys, Eagle3Config fields
 
 
 def draft_vocabulary(data, vocab_size: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,7 +74,7 @@ class Eagle3Trainer(DrafterTrainer):
     return jnp.arange(self.cfg.draft_vocab_size) + jnp.asarray(self.d2t, jnp.int32)
 
   def unroll(self, params, target, batch: dict, taps: tuple[jax.Array, ...]) -> list[jax.Array]:
-    """The head's output [B, T, D] (before its final norm) at each training-time-test step."""
+    """The head's output [B, T, D] (`Eagle3Head.output`, what the next step reads) at each training-time-test step."""
     head = nnx.merge(self.graphdef, params)
     mask = segment_mask(batch['segments'])
     h, prev, outs = head.fuse(jnp.concatenate(taps, axis=-1).astype(jnp.float32)), [], []
@@ -82,7 +87,7 @@ class Eagle3Trainer(DrafterTrainer):
       out, kv = ttt_attention(head.self_attn, x, positions, mask, prev)
       prev.append(kv)
       x = residual + out
-      h = x + head.mlp(head.post_attention_layernorm(x))
+      h = head.output(x + head.mlp(head.post_attention_layernorm(x)))
       outs.append(h)
     return outs
 
@@ -166,7 +171,7 @@ def head_config(config, target, taps: tuple[int, ...]):
       draft_vocab_size=config['drafter.draft_vocab_size'],
       taps=taps,
       max_position_embeddings=c.max_position_embeddings,  # a small value here silently lowers τ when served
-      norm_before_residual=config['drafter.norm_before_residual'],
+      **{flag: config[f'drafter.{flag}'] for flag in NORM_FLAGS},
   )
 
 
@@ -188,8 +193,8 @@ def make(config, target, data) -> Eagle3Trainer:
         ck.source,
         ck.config,
         cfg,
-        ('taps', 'draft_vocab_size', 'norm_before_residual', 'has_embedding'),
-        'set drafter.target_layer_ids, drafter.draft_vocab_size and drafter.norm_before_residual to the '
+        ('taps', 'draft_vocab_size', *NORM_FLAGS, 'has_embedding'),
+        f'set drafter.target_layer_ids, drafter.draft_vocab_size and drafter.{", drafter.".join(NORM_FLAGS)} to the '
         "checkpoint's (its own embed_tokens cannot be trained: training reads the target's)",
     )
     cfg, start, d2t, t2d = ck.config, ck.params, ck.d2t.astype(np.int64), ck.t2d
