@@ -1,5 +1,7 @@
-"""The EAGLE-3 drafter: EAGLE's own chain and tree drafts, greedy equality, sampled static trees, bad input."""
+"""The EAGLE-3 drafter: EAGLE's own chain and tree drafts, later rounds = a fresh prefill, greedy equality, sampled
+static trees, bad input."""
 
+import dataclasses
 import json
 
 import jax
@@ -65,6 +67,54 @@ def test_tree_drafts_equal_eagle_topk_genrate(target, ref):
   from specjax import trees
 
   np.testing.assert_array_equal(np.asarray(trees.ancestor_mask(jnp.asarray(parents))), ref['tree_mask'])
+
+
+@pytest.fixture(scope='module')
+def lens_head(target, tmp_path_factory):
+  """A head some of whose drafts the target accepts: the logit lens of the target's last layer (which drafts
+  the token just committed; the target's loops accept it), its attention output random (the drafts read the
+  head's cache)."""
+  from flax import nnx
+
+  from specjax.loading.eagle3 import load_eagle3, save_eagle3
+  from specjax.models.eagle3 import Eagle3Head
+  from specjax.train.eagle3 import start_from_target_head
+
+  v = target.config.vocab_size
+  cfg = dataclasses.replace(
+      load_eagle3(HEAD, target).config, taps=(0, target.config.num_layers - 1), draft_vocab_size=v
+  )
+  head = Eagle3Head(cfg, rngs=nnx.Rngs(0))
+  start_from_target_head(head, target, jnp.arange(v))
+  head.self_attn.o_proj[...] = jax.random.normal(jax.random.key(1), head.self_attn.o_proj[...].shape) * 0.1
+  path = str(tmp_path_factory.mktemp('lens_head'))
+  save_eagle3(path, cfg, nnx.state(head, nnx.Param), np.zeros(v, np.int64))
+  return path
+
+
+@pytest.mark.parametrize('options', [{}, {'tree_topk': 2, 'tree_tokens': 6}], ids=['chain', 'tree-2x6'])
+def test_later_rounds_draft_as_a_fresh_prefill(target, lens_head, options):
+  """Rollback: every step's drafts (after the accepted tokens and the rejected rest left the head's cache) equal
+  the drafts of a fresh prefill of the committed text, for each row of a ragged batch crossing pages."""
+  drafter = make_drafter('eagle3', target, draft_model=lens_head, **options)
+  k = 4
+  results, _ = specjax.Engine(target, page_size=4, drafter=drafter, max_draft=k).generate(
+      PROMPTS, max_new_tokens=16, num_draft=k, trace=True
+  )
+  fresh = specjax.Engine(target, page_size=4, drafter=drafter, max_draft=k)
+  step = jax.jit(propose_phase, static_argnums=0, static_argnames=('drafter', 'k', 'sampling'))
+  eos, greedy = jnp.asarray([-1], jnp.int32), specjax.SamplingParams()
+  accepted = 0
+  for prompt, result in zip(PROMPTS, results):
+    committed = fresh.encode([prompt])[0] + result.tokens[:1]
+    for entry in result.trace:
+      state = fresh.prefill([committed[:-1]], 8, greedy, eos)
+      assert int(np.asarray(state.last_tokens)[0]) == committed[-1]
+      _, prop = step(target.graphdef, target.params, drafter.params(), state, drafter=drafter, k=k, sampling=greedy)
+      assert np.asarray(prop.drafts)[0, : len(entry['drafts'])].tolist() == entry['drafts']
+      committed += entry['emitted']
+      accepted += entry['accepted']
+  assert 0 < accepted < sum(len(r.trace) for r in results) * k  # some drafts kept, others thrown away
 
 
 @pytest.mark.parametrize(
