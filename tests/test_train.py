@@ -315,7 +315,7 @@ def test_data_parallel_matches_one_device(data, tmp_path):
         (['drafter.kind=eagle3', 'drafter.draft_vocab_size=100000'], 'draft_vocab_size=100000 must be in 1..512'),
         (['drafter.kind=dflash', 'drafter.target_layer_ids=[1,6]'], r'target_layer_ids \[6\] out of range'),
         (['data.path=MISSING'], 'does not exist'),
-        (['drafter.head_from_target=True'], "'drafter.head_from_target' applies to eagle3"),
+        (['drafter.head_from_target=True'], "'drafter.head_from_target' applies to eagle3 and dflash, not mtp"),
         (['drafter.init_from=MISSING'], 'not an exported MTP head'),
         (['train.time_limit=-1'], "'train.time_limit' must be minutes"),
         (['train.stop_after=-2'], "'train.stop_after' must be at least 0"),

@@ -56,6 +56,18 @@ def trainer_for(model, data, **cfg_changes):
   return trainer
 
 
+def test_head_from_target_starts_the_final_norm_as_the_targets(model, data):
+  from specjax.train.config import resolve
+  from specjax.train.trainers import make_trainer
+
+  trainer = make_trainer(resolve(dflash_config(data), ['drafter.head_from_target=True']), model, None)
+  params, plain = trainer.init(jax.random.key(0)), trainer_for(model, data).init(jax.random.key(0))
+  target = model.module()
+  np.testing.assert_allclose(params['norm']['scale'][...], target.norm.offset + target.norm.scale[...], rtol=1e-6)
+  del params['norm'], plain['norm']
+  assert same(jax.device_get(params), jax.device_get(plain))  # nothing else changes
+
+
 def serve_block(model, draft, tokens: np.ndarray, start: int) -> jax.Array:
   """What the drafter computes after committing tokens[:start]: norm(out) [B, D] of `[x_start, MASK...]`."""
   from specjax.cache.paged import KVCache

@@ -37,7 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
               'anchors': 512,  # dflash: blocks per packed row (random anchors, SpecForge's 512)
               'mask_token_id': None,  # dflash: None: the tokenizer's mask token, a spare embedding row, pad or unk
               'target_layer_ids': [],  # taps (eagle3, dflash); empty: the family's default
-              'head_from_target': False,  # eagle3: start lm_head and the final norm from the target's (draft vocab columns)
+              'head_from_target': False,  # start from the target's final norm (eagle3: and head, draft vocab columns)
               'norm_before_residual': True,  # eagle3: the layer's residual is hidden_norm(fc(taps)), not fc(taps)
               'norm_before_fc': False,  # eagle3: one RMS norm over the concatenated taps before fc
               'fc_norm': False,  # eagle3: one RMS norm per tap before fc (EAGLE 3.1)
@@ -193,11 +193,8 @@ def _check_ranges(v: dict) -> None:
   for key in positive + ('drafter.anchors',):
     if v[key] < 1:
       raise SpecjaxError(f'config key {key!r} must be at least 1, got {v[key]}')
-  if v['drafter.head_from_target'] and v['drafter.kind'] != 'eagle3':
-    raise SpecjaxError(
-        f"config key 'drafter.head_from_target' applies to eagle3 (the other kinds use the target's head), "
-        f"not {v['drafter.kind']}"
-    )
+  if v['drafter.head_from_target'] and v['drafter.kind'] not in ('eagle3', 'dflash'):
+    raise SpecjaxError(f"config key 'drafter.head_from_target' applies to eagle3 and dflash, not {v['drafter.kind']}")
   if v['drafter.init_from'] is not None and v['drafter.head_from_target']:
     raise SpecjaxError("config keys 'drafter.init_from' and 'drafter.head_from_target' both set the first weights")
   if v['drafter.block_size'] < 2:

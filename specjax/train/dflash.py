@@ -20,7 +20,9 @@ target did not write still teaches the target's law). It counts where
 x_{a+k} is in a's sequence and learned; row k weighs exp(-(k - 1) / gamma)
 (`train.dflash_gamma`), and the sum is divided by the summed weights
 (upstream's weighted mean). Metrics per row k: top-1 agreement with the
-target. Export: `save_dflash` (z-lab / SpecForge layout), served by
+target. `drafter.head_from_target` starts the draft's final norm as the
+target's (Gemma's weights reach ~300; a draft whose norm starts at 1 reads
+the target's head in another geometry). Export: `save_dflash` (z-lab / SpecForge layout), served by
 `--drafter dflash --draft-model OUT/export`. DFlash 1 only: DFlash 2's
 convolutions and candidate selector are not trained.
 
@@ -98,12 +100,17 @@ class DFlashTrainer(DrafterTrainer):
   anchors: int = 512
   gamma: float = 7.0
   chunk: int = 256
+  norm_from_target: bool = False  # drafter.head_from_target
   kind: str = 'dflash'
 
   def init(self, key) -> nnx.State:
     from specjax.models.dflash import DFlashDraft
 
-    return nnx.split(DFlashDraft(self.cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key)))[1]
+    draft = DFlashDraft(self.cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key))
+    if self.norm_from_target:  # the draft's output enters the target's head as the target's own final norm leaves it
+      model = nnx.merge(self.target.graphdef, self.target.params)
+      draft.norm.scale[...] = (model.norm.offset + model.norm.scale[...]).astype(jnp.float32)
+    return nnx.split(draft)[1]
 
   def visibility(self, batch: dict, anchors: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
     """Per draft layer: (context keys [R, A, B or 1, T], block rows [B, C]) each block row sees."""
@@ -248,5 +255,6 @@ def make(config, target, data) -> DFlashTrainer:
       anchors=config['drafter.anchors'],
       gamma=config['train.dflash_gamma'],
       chunk=config['train.loss_chunk'],
+      norm_from_target=config['drafter.head_from_target'],
       start=start,
   )
