@@ -235,7 +235,7 @@ def test_ttt_unroll_matches_serving_positions(data):
   import specjax
   from specjax.models.contract import StepInputs
   from specjax.train.config import resolve
-  from specjax.train.losses import target_features
+  from specjax.train.losses import sequence_batch, target_features
   from specjax.train.trainers import make_trainer
 
   model = specjax.load(TINY)
@@ -244,12 +244,7 @@ def test_ttt_unroll_matches_serving_positions(data):
   target, head = model.module(), nnx.merge(trainer.graphdef, params)
   t_len = 12
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, 500, (1, t_len)), jnp.int32)
-  batch = {
-      'tokens': tokens,
-      'positions': jnp.arange(t_len)[None],
-      'segments': jnp.ones((1, t_len), jnp.int32),
-      'loss_mask': jnp.ones((1, t_len), bool),
-  }
+  batch = sequence_batch(tokens)
   hidden, _ = jax.jit(lambda b: target_features(target, b))(batch)
   outs = jax.jit(lambda p, b, h: trainer.unroll(p, target, b, h))(params, batch, hidden)
   emb = target.embed(tokens)

@@ -47,7 +47,7 @@ def test_ttt_unroll_matches_serving_positions(tmp_path, variant):
   import specjax
   from specjax.models.contract import StepInputs
   from specjax.train.config import resolve
-  from specjax.train.losses import target_features
+  from specjax.train.losses import sequence_batch, target_features
   from specjax.train.trainers import make_trainer
 
   model = specjax.load(TINY)
@@ -61,12 +61,7 @@ def test_ttt_unroll_matches_serving_positions(tmp_path, variant):
   target, head = model.module(), nnx.merge(trainer.graphdef, params)
   t_len = 12
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, 500, (1, t_len)), jnp.int32)
-  batch = {
-      'tokens': tokens,
-      'positions': jnp.arange(t_len)[None],
-      'segments': jnp.ones((1, t_len), jnp.int32),
-      'loss_mask': jnp.ones((1, t_len), bool),
-  }
+  batch = sequence_batch(tokens)
   _, taps = jax.jit(lambda b: target_features(target, b, trainer.taps))(batch)
   outs = jax.jit(lambda p, b, x: trainer.unroll(p, target, b, x))(params, batch, taps)
   fused, emb = head.fuse(jnp.concatenate(taps, axis=-1)), target.lookup(tokens)

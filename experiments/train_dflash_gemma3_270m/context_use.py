@@ -21,7 +21,7 @@ import numpy as np
 
 import specjax
 from specjax.train.config import resolve
-from specjax.train.losses import target_features
+from specjax.train.losses import sequence_batch, target_features
 from specjax.train.trainers import make_trainer
 
 
@@ -47,12 +47,7 @@ def main():
   @jax.jit
   def run(tokens, shuffled, anchors):  # [1, T], [1, T], [1, A]
     t = tokens.shape[1]
-    batch = {
-        'tokens': tokens,
-        'positions': jnp.arange(t)[None],
-        'segments': jnp.ones_like(tokens),
-        'loss_mask': jnp.ones(tokens.shape, bool),
-    }
+    batch = sequence_batch(tokens)
     hidden, taps = target_features(model, batch, trainer.taps)
     _, other = target_features(model, {**batch, 'tokens': shuffled}, trainer.taps)
     best = jnp.argmax(model.logits(hidden), -1)[0]  # [T]

@@ -24,7 +24,7 @@ from flax import nnx
 import specjax
 from specjax.loading.eagle3 import load_eagle3
 from specjax.models.contract import StepInputs
-from specjax.train.losses import target_features
+from specjax.train.losses import sequence_batch, target_features
 
 
 def main():
@@ -54,12 +54,7 @@ def main():
   @jax.jit
   def run(tokens, shuffled):  # [1, T] each
     t = tokens.shape[1]
-    batch = {
-        'tokens': tokens,
-        'positions': jnp.arange(t)[None],
-        'segments': jnp.ones_like(tokens),
-        'loss_mask': jnp.ones(tokens.shape, bool),
-    }
+    batch = sequence_batch(tokens)
     hidden, taps = target_features(model, batch, ck.config.taps)
     best = jnp.argmax(model.logits(hidden), -1)  # [1, T]
     fused = head.fuse(jnp.concatenate(taps, -1))[:, :-1]

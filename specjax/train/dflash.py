@@ -22,8 +22,9 @@ x_{a+k} is in a's sequence and learned; row k weighs exp(-(k - 1) / gamma)
 (upstream's weighted mean). Metrics per row k: top-1 agreement with the
 target. `drafter.head_from_target` starts the draft's final norm as the
 target's (Gemma's weights reach ~300; a draft whose norm starts at 1 reads
-the target's head in another geometry). Export: `save_dflash` (z-lab / SpecForge layout), served by
-`--drafter dflash --draft-model OUT/export`. DFlash 1 only: DFlash 2's
+the target's head in another geometry; on Gemma 3 270M it trained worse,
+experiments/train_dflash_gemma3_270m). Export: `save_dflash` (z-lab /
+SpecForge layout), served by `--drafter dflash --draft-model OUT/export`. DFlash 1 only: DFlash 2's
 convolutions and candidate selector are not trained.
 
 Einsum letters: R rows, T row positions (the context), A anchors, B block
@@ -43,7 +44,7 @@ from pallas_kernels.paged_attention import MASK_VALUE
 from specjax.errors import SpecjaxError
 from specjax.train.features import from_batch
 from specjax.train.losses import shift, soft_ce, target_features
-from specjax.train.trainers import DrafterTrainer, check_fields
+from specjax.train.trainers import DrafterTrainer, check_fields, final_norm_weight
 
 MASK_TOKENS = ('<|MASK|>', '<mask>', '<|mask|>', '[MASK]')
 
@@ -108,8 +109,7 @@ class DFlashTrainer(DrafterTrainer):
 
     draft = DFlashDraft(self.cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key))
     if self.norm_from_target:  # the draft's output enters the target's head as the target's own final norm leaves it
-      model = nnx.merge(self.target.graphdef, self.target.params)
-      draft.norm.scale[...] = (model.norm.offset + model.norm.scale[...]).astype(jnp.float32)
+      draft.norm.scale[...] = final_norm_weight(nnx.merge(self.target.graphdef, self.target.params))
     return nnx.split(draft)[1]
 
   def visibility(self, batch: dict, anchors: jax.Array) -> list[tuple[jax.Array, jax.Array]]:

@@ -9,8 +9,8 @@ so a head trained that way ignored its token; experiments/train_eagle3_gemma3_27
 `drafter.norm_before_fc` / `drafter.fc_norm` normalise the taps before `fc`,
 all together or each on its own, and `drafter.norm_output` feeds the next step
 the final-normed output: `Eagle3Config`'s variants);
-step i feeds step i - 1's output (the layer's residual, before the final norm)
-with x_{t+i+1} at position t + i and attends to step 0's keys causally OR the
+step i feeds step i - 1's output (`Eagle3Head.output`: the layer's residual, or
+its final norm with `norm_output`) with x_{t+i+1} at position t + i and attends to step 0's keys causally OR the
 later steps' keys at its own row (`losses.ttt_attention`).
 Loss: soft cross-entropy against the target distribution restricted to the
 draft vocabulary (rows whose target argmax is outside it skipped), step i
@@ -32,7 +32,7 @@ from flax import nnx
 
 from specjax.train.features import from_batch
 from specjax.train.losses import segment_mask, shift, soft_ce, target_distribution, target_features, ttt_attention
-from specjax.train.trainers import DrafterTrainer, check_fields
+from specjax.train.trainers import DrafterTrainer, check_fields, final_norm_weight
 
 NORM_FLAGS = ('norm_before_residual', 'norm_before_fc', 'fc_norm', 'norm_output')  # drafter.* keys, Eagle3Config fields
 
@@ -136,7 +136,7 @@ def start_from_target_head(head, target, draft_ids: jax.Array) -> None:
   d = head.cfg.hidden_size
   eye = jnp.eye(d, dtype=jnp.float32)
   head.lm_head[...] = model.logits(eye.astype(target.dtype), draft_ids).astype(jnp.float32)  # [D, V']
-  head.norm.scale[...] = (model.norm.offset + model.norm.scale[...]).astype(jnp.float32)
+  head.norm.scale[...] = final_norm_weight(model)
   head.fc[...] = jnp.zeros_like(head.fc[...]).at[-d:].set(eye)  # [n * D, D]: the last tap
   head.self_attn.o_proj[...] = jnp.zeros_like(head.self_attn.o_proj[...])
   head.mlp.down[...] = jnp.zeros_like(head.mlp.down[...])

@@ -36,6 +36,17 @@ def segment_mask(segments: jax.Array) -> jax.Array:  # [B, T] -> [B, T, T]
   return causal[None] & (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0)
 
 
+def sequence_batch(tokens: jax.Array) -> dict:  # [B, T] -> a batch of B whole sequences, every token learned
+  """The batch `target_features` and the trainers read, for unpacked rows (one sequence each, from position 0)."""
+  b, t = tokens.shape
+  return {
+      'tokens': tokens,
+      'positions': jnp.broadcast_to(jnp.arange(t), (b, t)),
+      'segments': jnp.ones((b, t), jnp.int32),
+      'loss_mask': jnp.ones((b, t), bool),
+  }
+
+
 def target_features(target, batch: dict, taps: tuple[int, ...] = ()) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """The frozen target over packed rows: final-normed hidden [B, T, D] and the residuals after `taps`.
 

@@ -66,6 +66,13 @@ def _dflash(config, target, data):
 TRAINERS: dict[str, Callable[[Any, Any, Any], DrafterTrainer]] = {'mtp': _mtp, 'eagle3': _eagle3, 'dflash': _dflash}
 
 
+def final_norm_weight(model) -> Any:  # a target module -> [D] float32
+  """The target's final-norm weight as a plain `x * w` RMS norm applies it (Gemma's offset folded in)."""
+  import jax.numpy as jnp
+
+  return (model.norm.offset + model.norm.scale[...]).astype(jnp.float32)
+
+
 def first_params(trainer: DrafterTrainer, key) -> Any:
   """The params a run starts from: `trainer.start` in float32, else a fresh `init(key)`.
 
