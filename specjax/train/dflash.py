@@ -154,19 +154,20 @@ class DFlashTrainer(DrafterTrainer):
     anchors, keep = sample_anchors(key, batch, self.anchors)
     out = self.blocks(params, target, batch, taps, anchors)
     own = jnp.take_along_axis(segments, anchors, axis=1)
-    num = den = 0.0
-    metrics = {'ce': [], 'agree': [], 'count': []}
-    for k in range(1, self.cfg.block_size):
-      at = jnp.minimum(anchors + k, t - 1)  # row k drafts x_{a+k}, the target's next token at a + k - 1
-      take = lambda x, at=at: jnp.take_along_axis(x, at, axis=1)
-      valid = keep & (anchors + k < t) & (take(segments) == own) & take(loss_mask)
-      th = jnp.take_along_axis(hidden, (at - 1)[..., None], axis=1)  # [R, A, D]
-      ce, agree, count, rows = soft_ce(target.logits, target.logits, out[:, :, k], th, valid, self.chunk)
-      w = jnp.exp(-(k - 1) / self.gamma)
-      num, den = num + w * ce, den + w * rows
-      for name, value in (('ce', ce), ('agree', agree), ('count', count)):
-        metrics[name].append(value)
-    return num / jnp.maximum(den, 1e-6), {k: jnp.stack(v) for k, v in metrics.items()}
+    ks = jnp.arange(1, self.cfg.block_size)  # [B - 1] row k drafts x_{a+k}, the target's next token at a + k - 1
+    at = jnp.minimum(anchors[None] + ks[:, None, None], t - 1)  # [B - 1, R, A]
+    take = lambda x: jax.vmap(lambda i: jnp.take_along_axis(x, i, axis=1))(at)
+    valid = keep & (anchors + ks[:, None, None] < t) & (take(segments) == own) & take(loss_mask)
+    th = jax.vmap(lambda i: jnp.take_along_axis(hidden, (i - 1)[..., None], axis=1))(at)  # [B - 1, R, A, D]
+    flat = lambda x: x.reshape((x.shape[0], -1) + x.shape[3:])  # [B - 1, R, A, ...] -> [B - 1, R * A, ...]
+    drafts = jnp.moveaxis(out[:, :, 1:], 2, 0)  # [B - 1, R, A, D]
+    # One scan over all block rows, k-major, `chunk` rows of the vocabulary projection at a time.
+    chunk = max(1, self.chunk // (self.cfg.block_size - 1))
+    ce, agree, count, rows = soft_ce(
+        target.logits, target.logits, flat(drafts), flat(th), flat(valid), chunk, by_row=True
+    )  # [B - 1] each
+    w = jnp.exp(-(ks - 1) / self.gamma)
+    return jnp.sum(w * ce) / jnp.maximum(jnp.sum(w * rows), 1e-6), {'ce': ce, 'agree': agree, 'count': count}
 
   def export(self, params, path: str) -> None:
     from specjax.loading.dflash import save_dflash

@@ -152,8 +152,11 @@ def soft_ce(
     valid: jax.Array,  # [B, T] bool
     chunk: int,
     draft_ids: jax.Array | None = None,  # [V'] target id of each draft-vocabulary id (None: the same vocabulary)
+    by_row: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Soft cross-entropy against the target distribution: (summed CE, agreements, predictions, CE rows).
+
+  The four are scalars, or with `by_row` summed over T only ([B] each).
 
   With a draft vocabulary the target distribution is its softmax restricted to
   `draft_ids`, and a row counts for the loss only where the target's argmax is
@@ -185,11 +188,11 @@ def soft_ce(
     w = hit.astype(jnp.float32)
     (grad,) = pullback((jnp.exp(logq) - p) * w[..., None])  # d sum(w * ce) / d dh (p sums to 1)
     grad = jax.lax.stop_gradient(grad)
-    linear = jnp.sum(grad * dh) - jnp.sum(grad * fixed)  # 0, with gradient `grad`
     v = v.astype(jnp.float32)
-    sums = (jnp.sum(ce * w) + linear, jnp.sum((drafted == best) * v), jnp.sum(v), jnp.sum(w))
-    return tuple(a + x for a, x in zip(carry, sums)), None
+    linear = jnp.sum(grad * dh, axis=(1, 2)) - jnp.sum(grad * fixed, axis=(1, 2))  # 0, with gradient `grad`
+    sums = (jnp.sum(ce * w, 1) + linear, jnp.sum((drafted == best) * v, 1), jnp.sum(v, 1), jnp.sum(w, 1))
+    return tuple(a + (x if by_row else jnp.sum(x)) for a, x in zip(carry, sums)), None
 
-  zero = jnp.zeros((), jnp.float32)
+  zero = jnp.zeros((b,) if by_row else (), jnp.float32)
   out, _ = jax.lax.scan(body, (zero,) * 4, ((xs[0], _chunks(valid, c)), xs[1]))
   return out
