@@ -74,20 +74,19 @@ class Gemma4AssistantDrafter(Drafter):
         kind: PagedKV(cache.k_pages[j], cache.v_pages[j], cache.block_tables, cache.lengths) for kind, j in self.donors
     }
     positions = ctx.lengths[:, None]  # [B, 1]: the pending token's, held for every step
-    token, h = ctx.last_tokens, state.hidden
-    drafts, qs = [], []
-    for i in range(k):
+
+    def step(carry, i):  # one assistant step from (token [B], h [B, D]); one scan body, whatever K
+      token, h = carry
       embeds = target.embed(token[:, None]).astype(h.dtype)  # [B, 1, D]
       out, h_next = assistant.forward(embeds, h[:, None], positions, donors)
       logits = assistant.logits(out[:, 0]).astype(jnp.float32)  # [B, V], -inf off the candidates
       keys = sampling_lib.row_keys(sampling.seed, ctx.seq_ids, ctx.lengths + 1 + i, STREAM_SAMPLE)
       token = sampling_lib.sample(logits, sampling, keys)
-      drafts.append(token)
-      if not sampling.is_greedy:
-        qs.append(sampling_lib.probs(logits, sampling))
-      h = h_next[:, 0]
-    q = jnp.stack(qs, axis=1) if qs else None
-    return Proposal(jnp.stack(drafts, axis=1), jnp.where(ctx.active, k, 0), q, state, cache)
+      return (token, h_next[:, 0]), (token, None if sampling.is_greedy else sampling_lib.probs(logits, sampling))
+
+    _, (drafts, qs) = jax.lax.scan(step, (ctx.last_tokens, state.hidden), jnp.arange(k))  # [K, B], [K, B, V]
+    q = None if qs is None else jnp.moveaxis(qs, 0, 1)
+    return Proposal(drafts.T, jnp.where(ctx.active, k, 0), q, state, cache)
 
   def commit(self, params, state: AssistantState, ctx, n_emitted, taps, hidden=None) -> AssistantState:
     # hidden [B, K + 1, D]: the verify block; its position n_emitted - 1 is the new L - 1.

@@ -159,20 +159,29 @@ class HeadDrafter(Drafter):
     return Proposal(drafts, jnp.where(ctx.active, draft_lens, 0), q, state, cache, parents)
 
   def _chain_drafts(self, params, target, h, head_cache, ctx, k, sampling):
+    """K chained drafts from the head's output h [B, D]: (drafts [B, K], q [B, K, V] | None).
+
+    The K - 1 draft-and-feed steps run as one `lax.scan` (compiled once, whatever K).
+    """
     step_lens = ctx.active.astype(jnp.int32)
     need_q = not sampling.is_greedy
-    drafts, qs = [], []
-    for i in range(k):
+
+    def draw(h, i):  # h [B, D] -> target id [B], q [B, V] | None
       logits = self.draft_logits(params, target, h).astype(jnp.float32)  # [B, Vd]
       keys = sampling_lib.row_keys(sampling.seed, ctx.seq_ids, ctx.lengths + 1 + i, STREAM_SAMPLE)
       x = self.to_target(sampling_lib.sample(logits, sampling, keys))
-      drafts.append(x)
-      if need_q:
-        qs.append(self.place(sampling_lib.probs(logits, sampling)))
-      if i < k - 1:
-        out, head_cache = self._chain(params, target, x[:, None], h[:, None], head_cache, step_lens)
-        h = out[:, 0]
-    return jnp.stack(drafts, axis=1), (jnp.stack(qs, axis=1) if need_q else None)
+      return x, self.place(sampling_lib.probs(logits, sampling)) if need_q else None
+
+    def step(carry, i):
+      h, head_cache = carry
+      x, q = draw(h, i)
+      out, head_cache = self._chain(params, target, x[:, None], h[:, None], head_cache, step_lens)
+      return (out[:, 0], head_cache), (x, q)
+
+    (h, _), (xs, qs) = jax.lax.scan(step, (h, head_cache), jnp.arange(k - 1))  # xs [K-1, B], qs [K-1, B, V]
+    x, q = draw(h, k - 1)
+    drafts = jnp.concatenate([xs.T, x[:, None]], axis=1)
+    return drafts, (jnp.concatenate([jnp.moveaxis(qs, 0, 1), q[:, None]], axis=1) if need_q else None)
 
   def _log_q(self, params, target, out, sampling):
     """[..., D] -> (log-probabilities [..., Vd] that score and draw children, probabilities | None)."""
