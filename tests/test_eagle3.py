@@ -70,10 +70,10 @@ def test_tree_drafts_equal_eagle_topk_genrate(target, ref):
 
 
 @pytest.fixture(scope='module')
-def lens_head(target, tmp_path_factory):
+def lens_head(request, target, tmp_path_factory):
   """A head some of whose drafts the target accepts: the logit lens of the target's last layer (which drafts
   the token just committed; the target's loops accept it), its attention output random (the drafts read the
-  head's cache)."""
+  head's cache). Parametrized 'eagle3.1': an EAGLE 3.1 head (`fc_norm`, `norm_output`)."""
   from flax import nnx
 
   from specjax.loading.eagle3 import load_eagle3, save_eagle3
@@ -84,6 +84,8 @@ def lens_head(target, tmp_path_factory):
   cfg = dataclasses.replace(
       load_eagle3(HEAD, target).config, taps=(0, target.config.num_layers - 1), draft_vocab_size=v
   )
+  if getattr(request, 'param', 'eagle3') == 'eagle3.1':
+    cfg = dataclasses.replace(cfg, fc_norm=True, norm_output=True)
   head = Eagle3Head(cfg, rngs=nnx.Rngs(0))
   start_from_target_head(head, target, jnp.arange(v))
   head.self_attn.o_proj[...] = jax.random.normal(jax.random.key(1), head.self_attn.o_proj[...].shape) * 0.1
@@ -92,7 +94,12 @@ def lens_head(target, tmp_path_factory):
   return path
 
 
-@pytest.mark.parametrize('options', [{}, {'tree_topk': 2, 'tree_tokens': 6}], ids=['chain', 'tree-2x6'])
+@pytest.mark.parametrize(
+    'lens_head, options',
+    [('eagle3', {}), ('eagle3.1', {'tree_topk': 2, 'tree_tokens': 6})],
+    ids=['chain', 'tree-2x6-eagle3.1'],
+    indirect=['lens_head'],
+)
 def test_later_rounds_draft_as_a_fresh_prefill(target, lens_head, options):
   """Rollback: every step's drafts (after the accepted tokens and the rejected rest left the head's cache) equal
   the drafts of a fresh prefill of the committed text, for each row of a ragged batch crossing pages."""

@@ -5,18 +5,18 @@ import pytest
 import jax.numpy as jnp
 
 import specjax
-from conftest import TINY, TINY_SHARDED, FIXTURES, make_cache
+from conftest import TINY, TINY_SHARDED, FIXTURES, cache_step, make_cache
 
 
 def run_model(model, ids, chunks, page_size=4, shuffle_pages=False):
   """Feeds `ids` [B, T] in the given chunk lengths; returns logits [B, T, V]."""
   b, t = ids.shape
   cache = make_cache(model, b, t, page_size=page_size, shuffle_pages=shuffle_pages)
-  module = model.module()
+  step = cache_step(model)
   out, start = [], 0
   for n in chunks:
-    hidden, cache = module(jnp.asarray(ids[:, start : start + n]), cache, jnp.full((b,), n, jnp.int32))
-    out.append(np.asarray(module.logits(hidden)))
+    logits, _, cache = step(jnp.asarray(ids[:, start : start + n]), cache, jnp.full((b,), n, jnp.int32))
+    out.append(np.asarray(logits))
     start += n
   assert start == t
   return np.concatenate(out, axis=1)

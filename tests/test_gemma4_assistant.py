@@ -143,6 +143,9 @@ def test_q_is_zero_off_the_centroid_candidates(target):
   assert (np.take_along_axis(q, drafts[..., None], axis=-1) > 0).all()
 
 
+_COMPILED = {}
+
+
 def _propose(target, drafter, prompt, k, sampling, perturb=None):
   """Prefill `prompt` into a fresh cache, then one `propose`: (q, drafts, drafter state, cache)."""
   from specjax.cache.paged import KVCache, PageAllocator
@@ -157,11 +160,23 @@ def _propose(target, drafter, prompt, k, sampling, perturb=None):
   cache = KVCache.create(target.kv_shapes, num_pages=32, page_size=page, block_tables=table)
   n = len(prompt) - 1  # the last prompt token is the pending one
   tokens = jnp.asarray([prompt[:n]])
-  hidden, cache, _ = model.forward(tokens, StepInputs.chain(cache, jnp.asarray([n]), n), cache)
+  key = (id(target), drafter, n, k, sampling)  # the drafter held by the key, the target by the value
+  if key not in _COMPILED:  # the three calls jitted once per setting, as the engine's step compiles them
+    _COMPILED[key] = (
+        target,
+        jax.jit(lambda tokens, cache: model.forward(tokens, StepInputs.chain(cache, jnp.asarray([n]), n), cache)),
+        jax.jit(
+            lambda state, tokens, hidden: drafter.prefill(
+                model, drafter.params(), state, tokens, jnp.asarray([n]), hidden
+            )
+        ),
+        jax.jit(lambda state, cache, ctx: drafter.propose(model, drafter.params(), state, cache, ctx, k, sampling)),
+    )
+  _, forward, prefill, propose = _COMPILED[key]
+  hidden, cache, _ = forward(tokens, cache)
   if perturb is not None:
     cache = perturb(cache)
-  state = drafter.init_state(BatchPlan(1, 64, 32, page, table, k))
-  state = drafter.prefill(model, drafter.params(), state, tokens, jnp.asarray([n]), hidden)
+  state = prefill(drafter.init_state(BatchPlan(1, 64, 32, page, table, k)), tokens, hidden)
   ctx = DraftContext(
       jnp.asarray([prompt + [0] * 8]),
       jnp.asarray([n]),
@@ -169,7 +184,7 @@ def _propose(target, drafter, prompt, k, sampling, perturb=None):
       jnp.asarray([True]),
       jnp.asarray([0]),
   )
-  out = drafter.propose(model, drafter.params(), state, cache, ctx, k, sampling)
+  out = propose(state, cache, ctx)
   q = None if out.q is None else np.asarray(out.q)
   return q, np.asarray(out.drafts), state, cache
 

@@ -1,6 +1,7 @@
 """Speculative decoding on hybrid targets (Gated DeltaNet + attention): exact rollback, MTP drafting."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -168,18 +169,34 @@ def test_mtp_bookkeeping_under_random_acceptance():
   hidden = np.asarray(append(target, jnp.asarray(x), full_cache, jnp.full((b,), n, jnp.int32))[0])
   tables = np.arange(1, b * (n // page) + 1, dtype=np.int32).reshape(b, n // page)
   state = drafter.init_state(BatchPlan(b, n, b * (n // page) + 1, page, tables, max_draft=k))
+  sampling = specjax.SamplingParams(temperature=1.0)
+  # The drafter's calls and the reference compiled whole, as the engine's step compiles them.
+  prefill = jax.jit(lambda params, state, *xs: drafter.prefill(target, params, state, *xs))
+  propose = jax.jit(lambda params, state, ctx: drafter.propose(target, params, state, full_cache, ctx, k, sampling))
+  commit = jax.jit(drafter.commit)
+  head = nnx.merge(*model.heads['mtp'])
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def first_q(tokens, hidden, m):  # [1, m], [1, m, D]: the head over the committed pairs, from scratch
+    fresh = KVCache.create(
+        model.kv_shapes[:1],
+        num_pages=n // page + 1,
+        page_size=page,
+        block_tables=np.arange(1, n // page + 1, dtype=np.int32)[None],
+    )
+    out, _ = head(target.embed(tokens), hidden, fresh, StepInputs.chain(fresh, jnp.asarray([m], jnp.int32), m))
+    return jax.nn.softmax(target.logits(out[0, m - 1]))
+
   lengths = np.array([9, 6])  # prompt lengths; x[:, L] is each row's last (not yet cached) token
   for start, stop in ((0, 5), (5, 9)):  # two prefill chunks, ragged
     lens = np.clip(lengths - start, 0, stop - start).astype(np.int32)
-    state = drafter.prefill(
-        target,
+    state = prefill(
         drafter.params(),
         state,
         jnp.asarray(x[:, start:stop]),
         jnp.asarray(lens),
         jnp.asarray(hidden[:, start:stop]),
     )
-  sampling = specjax.SamplingParams(temperature=1.0)
   for _ in range(4):
     ctx = DraftContext(
         jnp.asarray(x),
@@ -188,24 +205,11 @@ def test_mtp_bookkeeping_under_random_acceptance():
         jnp.ones((b,), bool),
         jnp.arange(b, dtype=jnp.int32),
     )
-    prop = drafter.propose(target, drafter.params(), state, full_cache, ctx, k, sampling)
+    prop = propose(drafter.params(), state, ctx)
     for i in range(b):
       m = lengths[i]
-      fresh = KVCache.create(
-          model.kv_shapes[:1],
-          num_pages=n // page + 1,
-          page_size=page,
-          block_tables=np.arange(1, n // page + 1, dtype=np.int32)[None],
-      )
-      head = nnx.merge(*model.heads['mtp'])
-      out, _ = head(
-          target.embed(jnp.asarray(x[i : i + 1, 1 : m + 1])),
-          jnp.asarray(hidden[i : i + 1, :m]),
-          fresh,
-          StepInputs.chain(fresh, jnp.asarray([m], jnp.int32), m),
-      )
-      want = np.asarray(jax.nn.softmax(target.logits(out[0, m - 1])))
-      np.testing.assert_allclose(np.asarray(prop.q[i, 0]), want, atol=1e-5)
+      want = first_q(jnp.asarray(x[i : i + 1, 1 : m + 1]), jnp.asarray(hidden[i : i + 1, :m]), int(m))
+      np.testing.assert_allclose(np.asarray(prop.q[i, 0]), np.asarray(want), atol=1e-5)
     emitted = rng.integers(1, k + 2, b)
     verify_hidden = np.stack([hidden[i, lengths[i] : lengths[i] + k + 1] for i in range(b)])
     lengths = lengths + emitted
@@ -216,6 +220,4 @@ def test_mtp_bookkeeping_under_random_acceptance():
         jnp.ones((b,), bool),
         jnp.arange(b, dtype=jnp.int32),
     )
-    state = drafter.commit(
-        drafter.params(), prop.state, ctx, jnp.asarray(emitted, jnp.int32), (), jnp.asarray(verify_hidden)
-    )
+    state = commit(drafter.params(), prop.state, ctx, jnp.asarray(emitted, jnp.int32), (), jnp.asarray(verify_hidden))

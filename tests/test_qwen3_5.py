@@ -12,7 +12,7 @@ import specjax
 from specjax.models.contract import StepInputs
 from specjax import SpecjaxError
 from specjax.cache.paged import KVCache
-from conftest import FIXTURES, close, make_cache
+from conftest import FIXTURES, cache_step, close, make_cache
 
 QWEN = ['tiny_qwen3_5', 'tiny_qwen3_5_moe', 'tiny_qwen3_next']
 
@@ -21,11 +21,11 @@ def run_model(model, ids, chunks, num_slots=1, **kw):
   """Feeds `ids` [B, T] in chunks; returns (logits [B, T, V], hidden [B, T, D], cache)."""
   b, t = ids.shape
   cache = make_cache(model, b, t, num_slots=num_slots, **kw)
-  module = model.module()
+  step = cache_step(model)
   logits, hiddens, start = [], [], 0
   for n in chunks:
-    hidden, cache = module(jnp.asarray(ids[:, start : start + n]), cache, jnp.full((b,), n, jnp.int32))
-    logits.append(np.asarray(module.logits(hidden)))
+    chunk_logits, hidden, cache = step(jnp.asarray(ids[:, start : start + n]), cache, jnp.full((b,), n, jnp.int32))
+    logits.append(np.asarray(chunk_logits))
     hiddens.append(np.asarray(hidden))
     start += n
   assert start == t

@@ -272,7 +272,8 @@ def test_data_parallel_matches_one_device(data, tmp_path):
   cfg = config(data, steps=3, save_every=0)
   cfg['eval'] = {'every': 0}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4', 'JAX_PLATFORMS': 'cpu'}
+  flags = os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=4'
+  env = {**os.environ, 'XLA_FLAGS': flags.strip(), 'JAX_PLATFORMS': 'cpu'}
   env['PYTHONPATH'] = root + os.pathsep + env.get('PYTHONPATH', '')
   npz = str(tmp_path / 'dp.npz')
   proc = subprocess.run(
