@@ -18,7 +18,7 @@ import specjax
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters import make_drafter
-from conftest import drafter_options, perturbed_target
+from conftest import cache_step, drafter_options, perturbed_target
 
 ROWS = 1024
 ALPHA = 1e-3
@@ -54,7 +54,7 @@ def two_sample_pvalue(a, b):
 def second_token_law(model, params):
   """Exact P(second generated token) = sum_x1 p(x1) p(x2 | x1) under the sampling transform."""
   ids = model.tokenizer.encode(PROMPT)
-  module = model.module()
+  step = cache_step(model)
 
   def run(batch_ids):
     b, t = batch_ids.shape
@@ -69,8 +69,8 @@ def second_token_law(model, params):
         block_tables=alloc.block_table(list(range(b)), pages),
         state_shapes=model.state_shapes,
     )
-    hidden, _ = module(jnp.asarray(batch_ids), cache, jnp.full((b,), t, jnp.int32))
-    return np.asarray(sampling_lib.probs(module.logits(hidden[:, -1]), params))
+    logits, _, _ = step(jnp.asarray(batch_ids), cache, jnp.full((b,), t, jnp.int32))
+    return np.asarray(sampling_lib.probs(logits[:, -1], params))
 
   p1 = run(np.array([ids]))[0]
   support = np.flatnonzero(p1 > 0)
