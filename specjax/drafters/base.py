@@ -39,6 +39,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from specjax.cache.paged import KVCache
 
@@ -127,3 +128,22 @@ class Drafter:
   def pending_lens(self, state) -> jax.Array:
     """[B] drafts each row has for the next step (`drafts_ahead` drafters only)."""
     raise NotImplementedError
+
+
+def chain_scan(draw, feed, h: jax.Array, carry, k: int):
+  """K chained drafts from the drafter's output h [B, D]: (drafts [B, K], q [B, K, V] | None, carry).
+
+  `draw(h, i)` -> (token [B], q [B, V] | None) draws draft i; `feed(token, h, carry)` -> (h, carry) runs the
+  drafter over it. The K - 1 draw-and-feed steps are one `lax.scan` (the body compiles once, whatever K); the
+  last draft is drawn after it and not fed.
+  """
+
+  def step(state, i):
+    h, carry = state
+    x, q = draw(h, i)
+    return feed(x, h, carry), (x, q)
+
+  (h, carry), (xs, qs) = jax.lax.scan(step, (h, carry), jnp.arange(k - 1))  # xs [K-1, B], qs [K-1, B, V]
+  x, q = draw(h, k - 1)
+  drafts = jnp.concatenate([xs.T, x[:, None]], axis=1)
+  return drafts, None if q is None else jnp.concatenate([jnp.moveaxis(qs, 0, 1), q[:, None]], axis=1), carry

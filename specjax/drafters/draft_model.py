@@ -18,7 +18,7 @@ from flax import nnx
 
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
-from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal, chain_scan
 from specjax.drafters.registry import DrafterFamily, checkpoint_option
 from specjax.errors import SpecjaxError
 from specjax.models.base import Model
@@ -48,8 +48,8 @@ def draft_loop(
 ):
   """K autoregressive draft tokens: (drafts [B, K], q [B, K, V] | None, cache).
 
-  The K - 1 draft-and-feed steps run as one `lax.scan` (the body compiles once,
-  whatever K); the last draft is sampled after it without a forward pass.
+  The K - 1 draft-and-feed steps run as one `lax.scan` (`chain_scan`); the last
+  draft is sampled after it without a forward pass.
   """
   hidden, cache = forward(first_tokens, cache, first_lens)
   h = jnp.take_along_axis(hidden, jnp.maximum(first_lens - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -60,17 +60,11 @@ def draft_loop(
     keys = sampling_lib.row_keys(sampling.seed, seq_ids, first_pos + i, STREAM_SAMPLE)
     return sampling_lib.sample(logits, sampling, keys), sampling_lib.probs(logits, sampling) if need_q else None
 
-  def step(carry, i):
-    h, cache = carry
-    x, q = draw(h, i)
+  def feed(x, h, cache):  # the drafted token x [B] through the draft model
     hidden, cache = forward(x[:, None], cache, step_lens)
-    return (hidden[:, 0], cache), (x, q)
+    return hidden[:, 0], cache
 
-  (h, cache), (xs, qs) = jax.lax.scan(step, (h, cache), jnp.arange(k - 1))  # xs [K-1, B], qs [K-1, B, V]
-  x, q = draw(h, k - 1)
-  drafts = jnp.concatenate([xs.T, x[:, None]], axis=1)
-  q = jnp.concatenate([jnp.moveaxis(qs, 0, 1), q[:, None]], axis=1) if need_q else None
-  return drafts, q, cache
+  return chain_scan(draw, feed, h, cache, k)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

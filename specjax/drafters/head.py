@@ -43,7 +43,7 @@ from specjax import sampling as sampling_lib
 from specjax import trees
 from specjax.cache.paged import KVCache
 from specjax.drafters import tree_search
-from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal, chain_scan
 from specjax.drafters.registry import option
 from specjax.errors import SpecjaxError
 from specjax.models.contract import StepInputs
@@ -161,7 +161,7 @@ class HeadDrafter(Drafter):
   def _chain_drafts(self, params, target, h, head_cache, ctx, k, sampling):
     """K chained drafts from the head's output h [B, D]: (drafts [B, K], q [B, K, V] | None).
 
-    The K - 1 draft-and-feed steps run as one `lax.scan` (compiled once, whatever K).
+    The K - 1 draft-and-feed steps run as one `lax.scan` (`chain_scan`).
     """
     step_lens = ctx.active.astype(jnp.int32)
     need_q = not sampling.is_greedy
@@ -172,16 +172,12 @@ class HeadDrafter(Drafter):
       x = self.to_target(sampling_lib.sample(logits, sampling, keys))
       return x, self.place(sampling_lib.probs(logits, sampling)) if need_q else None
 
-    def step(carry, i):
-      h, head_cache = carry
-      x, q = draw(h, i)
+    def feed(x, h, head_cache):  # the drafted target id x [B] with its parent output h
       out, head_cache = self._chain(params, target, x[:, None], h[:, None], head_cache, step_lens)
-      return (out[:, 0], head_cache), (x, q)
+      return out[:, 0], head_cache
 
-    (h, _), (xs, qs) = jax.lax.scan(step, (h, head_cache), jnp.arange(k - 1))  # xs [K-1, B], qs [K-1, B, V]
-    x, q = draw(h, k - 1)
-    drafts = jnp.concatenate([xs.T, x[:, None]], axis=1)
-    return drafts, (jnp.concatenate([jnp.moveaxis(qs, 0, 1), q[:, None]], axis=1) if need_q else None)
+    drafts, q, _ = chain_scan(draw, feed, h, head_cache, k)
+    return drafts, q
 
   def _log_q(self, params, target, out, sampling):
     """[..., D] -> (log-probabilities [..., Vd] that score and draw children, probabilities | None)."""

@@ -156,9 +156,9 @@ class DFlashTrainer(DrafterTrainer):
     own = jnp.take_along_axis(segments, anchors, axis=1)
     ks = jnp.arange(1, self.cfg.block_size)  # [B - 1] row k drafts x_{a+k}, the target's next token at a + k - 1
     at = jnp.minimum(anchors[None] + ks[:, None, None], t - 1)  # [B - 1, R, A]
-    take = lambda x: jax.vmap(lambda i: jnp.take_along_axis(x, i, axis=1))(at)
+    take = lambda x: jnp.take_along_axis(x[None], at, axis=2)  # [R, T] -> [B - 1, R, A]
     valid = keep & (anchors + ks[:, None, None] < t) & (take(segments) == own) & take(loss_mask)
-    th = jax.vmap(lambda i: jnp.take_along_axis(hidden, (i - 1)[..., None], axis=1))(at)  # [B - 1, R, A, D]
+    th = jnp.take_along_axis(hidden[None], (at - 1)[..., None], axis=2)  # [B - 1, R, A, D]
     flat = lambda x: x.reshape((x.shape[0], -1) + x.shape[3:])  # [B - 1, R, A, ...] -> [B - 1, R * A, ...]
     drafts = jnp.moveaxis(out[:, :, 1:], 2, 0)  # [B - 1, R, A, D]
     # One scan over all block rows, k-major, `chunk` rows of the vocabulary projection at a time.
