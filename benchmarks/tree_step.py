@@ -34,6 +34,7 @@ from specjax.drafters import make_drafter
 from specjax.loading import resolve_dtype
 from specjax.loading.eagle3 import Eagle3Checkpoint, default_taps, load_eagle3
 from specjax.models.eagle3 import Eagle3Head
+from specjax.train.config import resolve
 from specjax.train.eagle3 import head_config
 
 PROMPT = 'Write a short story about a robot who learns to paint. Once upon a time,'
@@ -63,7 +64,8 @@ def gemma3_270m_random():
 
 def random_head(model, draft_vocab: int = 16000) -> Eagle3Checkpoint:
   """A random head shaped as `specjax train` shapes one for this target."""
-  cfg = head_config({'drafter.draft_vocab_size': draft_vocab}, model, default_taps(len(model.kv_shapes)))
+  config = resolve(ROOT / 'configs' / 'train_eagle3_gemma3_270m.py', {'drafter.draft_vocab_size': draft_vocab})
+  cfg = head_config(config, model, default_taps(len(model.kv_shapes)))
   graphdef, params = nnx.split(Eagle3Head(cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
   return Eagle3Checkpoint(cfg, graphdef, params, np.zeros(draft_vocab, np.int32), None, 'random')
 
