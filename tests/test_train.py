@@ -316,6 +316,8 @@ def test_data_parallel_matches_one_device(data, tmp_path):
         (['train.time_limit=-1'], "'train.time_limit' must be minutes"),
         (['train.stop_after=-2'], "'train.stop_after' must be at least 0"),
         (['drafter.kind=eagle3', 'drafter.head_from_target=True', 'drafter.init_from=MISSING'], 'both set the first'),
+        (['drafter.tap_scale=True'], "'drafter.tap_scale' applies to eagle3 and dflash, not mtp"),
+        (['drafter.kind=eagle3', 'drafter.tap_scale=True', 'drafter.fc_norm=True'], 'drafter.fc_norm normalises'),
     ],
 )
 def test_bad_config_is_one_error_line(data, tmp_path, capsys, overrides, message):

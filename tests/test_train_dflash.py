@@ -101,11 +101,46 @@ def serve_block(model, draft, tokens: np.ndarray, start: int) -> jax.Array:
 )
 def test_training_blocks_equal_serving_blocks(model, data, changes):
   """Anchors in both sequences of a packed row: each block's rows (and drafts) = the serving drafter's block."""
-  from specjax.train.losses import target_features
-
   trainer = trainer_for(model, data, **changes)
   params = trainer.init(jax.random.key(3))
-  draft = nnx.merge(trainer.graphdef, params)
+  check_blocks(model, trainer, params, nnx.merge(trainer.graphdef, params))
+
+
+def test_tap_scale_is_folded_into_the_export(model, data, tmp_path):
+  """drafter.tap_scale: training reads taps / s through fc W; the export's fc is W / s and serves the same blocks."""
+  trainer = trainer_for(model, data)
+  e = len(trainer.taps) * model.config.hidden_size
+  scale = np.exp(np.random.default_rng(0).normal(0, 2, e)).astype(np.float32)  # 0.02 .. 50
+  trainer = dataclasses.replace(trainer, tap_scale=scale)
+  params = trainer.init(jax.random.key(3))
+  trainer.export(params, str(tmp_path))
+  exported = trainer.load(str(tmp_path))
+  np.testing.assert_allclose(exported['fc'][...], params['fc'][...] / scale[:, None], rtol=1e-6)
+  check_blocks(model, trainer, params, nnx.merge(trainer.graphdef, exported))
+
+
+def test_tap_scale_measures_each_channel(model, data):
+  """The scale is each tap channel's RMS over real tokens past a sequence's first; make_trainer sets it."""
+  from specjax.train.config import resolve
+  from specjax.train.data import Packed
+  from specjax.train.losses import target_features
+  from specjax.train.trainers import make_trainer
+
+  batch = {k: np.asarray(v) for k, v in packed_row().items()}
+  rows = Packed(batch['tokens'], batch['positions'], batch['segments'], batch['loss_mask'])
+  trainer = make_trainer(resolve(dflash_config(data), ['drafter.tap_scale=True']), model, rows)
+  _, taps = jax.jit(lambda b: target_features(model.module(), b, trainer.taps))(batch)
+  keep = (batch['segments'] > 0) & (batch['positions'] > 0)
+  scaled = np.concatenate(taps, axis=-1)[keep] / trainer.tap_scale
+  np.testing.assert_allclose(np.sqrt(np.mean(scaled**2, axis=0)), 1.0, rtol=1e-4)
+  with pytest.raises(__import__('specjax').errors.SpecjaxError, match='no'):
+    make_trainer(resolve(dflash_config(data), ['drafter.tap_scale=True']), model, None)
+
+
+def check_blocks(model, trainer, params, draft):
+  """Training blocks from `params` = the serving blocks of `draft`, for anchors in both sequences of a packed row."""
+  from specjax.train.losses import target_features
+
   target, batch = model.module(), packed_row()
   anchors = jnp.asarray([[7, 16, 12, 20]], jnp.int32)  # positions 7 | 6, 2, 10 of the second sequence
   _, taps = jax.jit(lambda b: target_features(target, b, trainer.taps))(batch)
@@ -222,6 +257,7 @@ def test_cached_target_features_train_the_same(data, tmp_path):
             r'mask_token_id=512 must be a token id inside the target vocabulary \(0..511\)',
         ),
         (['drafter.target_layer_ids=[1,5]'], r'target_layer_ids \[1, 5\] must be in 0..4'),
+        (['drafter.tap_scale=True', "drafter.init_from='x'"], 'cannot rescale a drafter.init_from'),
     ],
 )
 def test_bad_config_is_one_error_line(data, tmp_path, capsys, overrides, message):

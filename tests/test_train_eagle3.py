@@ -1,6 +1,7 @@
 """EAGLE-3 training on the tiny target: draft vocabulary, the TTT unroll = serving positions (every norm variant),
 loss falls, export round trip."""
 
+import dataclasses
 import json
 import os
 
@@ -37,6 +38,7 @@ VARIANTS = {  # drafter.* overrides
     'speculators': [],
     'specforge': ['drafter.norm_before_residual=False'],
     'eagle3.1': ['drafter.fc_norm=True', 'drafter.norm_output=True', 'drafter.norm_before_fc=True'],
+    'tap-scale': [],  # speculators' head trained on taps / s (drafter.tap_scale), served with s folded into fc
 }
 
 
@@ -58,7 +60,12 @@ def test_ttt_unroll_matches_serving_positions(tmp_path, variant):
   params = trainer.init(jax.random.key(3))
   perturb = lambda path, x: x * (1 + 0.3 * jnp.sin(jnp.arange(x.size).reshape(x.shape))) if 'norm' in str(path) else x
   params = jax.tree.map_with_path(perturb, params)  # norm weights away from their initial ones
-  target, head = model.module(), nnx.merge(trainer.graphdef, params)
+  if variant == 'tap-scale':
+    e = len(trainer.taps) * model.config.hidden_size
+    trainer = dataclasses.replace(
+        trainer, tap_scale=np.exp(np.random.default_rng(1).normal(0, 2, e)).astype(np.float32)
+    )
+  target, head = model.module(), nnx.merge(trainer.graphdef, trainer.served(params))
   t_len = 12
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, 500, (1, t_len)), jnp.int32)
   batch = sequence_batch(tokens)

@@ -5,7 +5,8 @@ anchor: its block `[x_a, MASK x (B - 1)]` sees the context features before a, an
 with the target's argmax at a + k - 1. Three readings: the draft as trained; the context features of another record (the taps of
 a record's tokens shuffled); the context zeroed. A draft that ignores its context scores the same in all three.
 Also printed: the draft's and the target's final-norm weights and logit scales (the draft reads the target's
-head through its own final norm).
+head through its own final norm), and how alike the context features of a record's positions are (mean pairwise
+cosine: near 1, every position offers the same keys and values).
 
   python experiments/train_dflash_gemma3_270m/context_use.py runs/train_dflash_gemma3_270m/export \\
       runs/regenerated/<key>.jsonl --records 8
@@ -18,6 +19,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import specjax
 from specjax.train.config import resolve
@@ -40,6 +42,7 @@ def main():
   model = target.module()
   trainer = make_trainer(config, target, None)
   params = trainer.load(args.draft_model)
+  draft = nnx.merge(trainer.graphdef, params)
   b = trainer.cfg.block_size
   with open(args.answers, encoding='utf-8') as f:
     scored = [json.loads(line) for line in f][-args.records :]
@@ -58,6 +61,9 @@ def main():
       reads[name] = jnp.argmax(logits, -1)
       scales[name] = jnp.std(logits, -1).mean()
     scales['target'] = jnp.std(model.logits(hidden), -1).mean()
+    ctx = draft.context(jnp.concatenate(taps, axis=-1))[0, 1:]  # [T - 1, D] past <bos>
+    u = ctx / jnp.linalg.norm(ctx, axis=-1, keepdims=True)
+    scales['context cosine'] = (jnp.sum(u.sum(0) ** 2) - (t - 1)) / ((t - 1) * (t - 2))  # mean over position pairs
     want = best[jnp.minimum(anchors[0, :, None] + jnp.arange(b - 1), t - 1)]  # row k: the target's token at a + k - 1
     return {k: (v == want).sum(0) for k, v in reads.items()}, scales
 
@@ -81,7 +87,17 @@ def main():
   d = params['norm']['scale']
   t = model.norm.offset + model.norm.scale[...]
   print(json.dumps({'draft norm weight p0/50/99/100': norm(d), 'target norm weight': norm(t)}))
+  cosine = scales.pop('context cosine')
   print(json.dumps({f'logit std, {k}': round(float(np.mean(v)), 2) for k, v in scales.items()}))
+  print(
+      json.dumps(
+          {
+              'context features hidden_norm(fc(taps)), mean pairwise cosine over positions': round(
+                  float(np.mean(cosine)), 3
+              )
+          }
+      )
+  )
 
 
 if __name__ == '__main__':

@@ -42,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
               'norm_before_fc': False,  # eagle3: one RMS norm over the concatenated taps before fc
               'fc_norm': False,  # eagle3: one RMS norm per tap before fc (EAGLE 3.1)
               'norm_output': False,  # eagle3: the next step reads the final-normed output (EAGLE 3.1)
+              'tap_scale': False,  # eagle3, dflash: fc trained on taps / their per-channel RMS, folded into fc at export
               'init_from': None,  # a drafter directory of this kind (an export or upstream checkpoint) to start from
           },
           'data': {
@@ -197,6 +198,14 @@ def _check_ranges(v: dict) -> None:
     raise SpecjaxError(f"config key 'drafter.head_from_target' applies to eagle3 and dflash, not {v['drafter.kind']}")
   if v['drafter.init_from'] is not None and v['drafter.head_from_target']:
     raise SpecjaxError("config keys 'drafter.init_from' and 'drafter.head_from_target' both set the first weights")
+  if v['drafter.tap_scale']:
+    if v['drafter.kind'] not in ('eagle3', 'dflash'):
+      raise SpecjaxError(f"config key 'drafter.tap_scale' applies to eagle3 and dflash, not {v['drafter.kind']}")
+    if v['drafter.init_from'] is not None:
+      raise SpecjaxError("config key 'drafter.tap_scale' cannot rescale a drafter.init_from checkpoint's fc")
+    normed = [k for k in ('drafter.norm_before_fc', 'drafter.fc_norm') if v['drafter.kind'] == 'eagle3' and v[k]]
+    if normed:
+      raise SpecjaxError(f"config key 'drafter.tap_scale' needs fc on the raw taps; {normed[0]} normalises them first")
   if v['drafter.block_size'] < 2:
     raise SpecjaxError(f"config key 'drafter.block_size' must be at least 2 (one draft), got {v['drafter.block_size']}")
   if not v['train.dflash_gamma'] > 0:

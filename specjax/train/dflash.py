@@ -135,7 +135,7 @@ class DFlashTrainer(DrafterTrainer):
     """norm(out) [R, A, B, D] of the block of each anchor (row indices [R, A]), over the rows' taps."""
     draft = nnx.merge(self.graphdef, params)
     b, (r, a) = self.cfg.block_size, anchors.shape
-    ctx = draft.context(jnp.concatenate(taps, axis=-1).astype(jnp.float32))  # [R, T, D]
+    ctx = draft.context(self.scale_taps(jnp.concatenate(taps, axis=-1).astype(jnp.float32)))  # [R, T, D]
     first = jnp.take_along_axis(batch['tokens'], anchors, axis=1)[..., None]
     tokens = jnp.concatenate([first, jnp.full((r, a, b - 1), self.cfg.mask_token_id, first.dtype)], axis=-1)
     x = target.embed(tokens.reshape(r, a * b)).astype(jnp.float32)  # [R, A * B, D]
@@ -172,7 +172,7 @@ class DFlashTrainer(DrafterTrainer):
   def export(self, params, path: str) -> None:
     from specjax.loading.dflash import save_dflash
 
-    save_dflash(path, self.cfg, params)
+    save_dflash(path, self.cfg, self.served(params))
 
   def load(self, path: str) -> nnx.State:
     from specjax.loading.dflash import load_dflash

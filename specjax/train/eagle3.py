@@ -77,7 +77,7 @@ class Eagle3Trainer(DrafterTrainer):
     """The head's output [B, T, D] (`Eagle3Head.output`, what the next step reads) at each training-time-test step."""
     head = nnx.merge(self.graphdef, params)
     mask = segment_mask(batch['segments'])
-    h, prev, outs = head.fuse(jnp.concatenate(taps, axis=-1).astype(jnp.float32)), [], []
+    h, prev, outs = head.fuse(self.scale_taps(jnp.concatenate(taps, axis=-1).astype(jnp.float32))), [], []
     for i in range(self.positions):
       positions = batch['positions'] + i
       embeds = target.lookup(shift(batch['tokens'], i + 1)).astype(jnp.float32)
@@ -111,7 +111,7 @@ class Eagle3Trainer(DrafterTrainer):
   def export(self, params, path: str) -> None:
     from specjax.loading.eagle3 import save_eagle3
 
-    save_eagle3(path, self.cfg, params, self.d2t, self.t2d)
+    save_eagle3(path, self.cfg, self.served(params), self.d2t, self.t2d)
 
   def load(self, path: str) -> nnx.State:
     from specjax.loading.eagle3 import load_eagle3

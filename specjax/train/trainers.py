@@ -18,6 +18,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from specjax.errors import SpecjaxError
 
 
@@ -27,6 +31,7 @@ class DrafterTrainer:
   positions: int = 1  # draft positions the metrics cover
   taps: tuple[int, ...] = ()  # target layers whose residuals the loss reads
   start: Any = None  # params read from `drafter.init_from` (None: `init`)
+  tap_scale: Any = None  # [n * D] float32: `fc` is trained on taps / tap_scale (`drafter.tap_scale`), else None
 
   def init(self, key) -> Any:
     raise NotImplementedError
@@ -39,6 +44,17 @@ class DrafterTrainer:
 
   def load(self, path: str) -> Any:
     raise NotImplementedError
+
+  def scale_taps(self, taps: jax.Array) -> jax.Array:  # [..., n * D] the taps side by side
+    return taps if self.tap_scale is None else taps / jnp.asarray(self.tap_scale, taps.dtype)
+
+  def served(self, params) -> Any:
+    """`params` as served, `fc` reading raw taps: (taps / s) @ W = taps @ (W / s), the scale folded into fc's rows."""
+    if self.tap_scale is None:
+      return params
+    scale = np.asarray(self.tap_scale, np.float32)[:, None]  # [n * D, 1]
+    fold = lambda path, w: w / scale if path[0] == jax.tree_util.DictKey('fc') else w
+    return jax.tree.map_with_path(fold, params)
 
 
 def _mtp(config, target, data):
@@ -68,8 +84,6 @@ TRAINERS: dict[str, Callable[[Any, Any, Any], DrafterTrainer]] = {'mtp': _mtp, '
 
 def final_norm_weight(model) -> Any:  # a target module -> [D] float32
   """The target's final-norm weight as a plain `x * w` RMS norm applies it (Gemma's offset folded in)."""
-  import jax.numpy as jnp
-
   return (model.norm.offset + model.norm.scale[...]).astype(jnp.float32)
 
 
@@ -79,9 +93,6 @@ def first_params(trainer: DrafterTrainer, key) -> Any:
   `start` needs no shape check here: each family's loader checks the
   checkpoint against the config it returns, and the trainer is built from it.
   """
-  import jax
-  import jax.numpy as jnp
-
   if trainer.start is None:
     return trainer.init(key)
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), trainer.start)
@@ -116,4 +127,11 @@ def check_config(config, target) -> None:
 def make_trainer(config, target, data) -> DrafterTrainer:
   """The trainer of `config['drafter.kind']` for `target` (a loaded Model) and the packed training rows."""
   check_config(config, target)
-  return TRAINERS[config['drafter.kind']](config, target, data)
+  trainer = TRAINERS[config['drafter.kind']](config, target, data)
+  if config['drafter.tap_scale']:
+    from specjax.train.features import tap_scale
+
+    if data is None or not len(data):
+      raise SpecjaxError('drafter.tap_scale measures the taps on the training rows: there are none')
+    trainer = dataclasses.replace(trainer, tap_scale=tap_scale(target, data, trainer.taps))
+  return trainer
