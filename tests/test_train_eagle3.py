@@ -83,8 +83,10 @@ def test_ttt_unroll_matches_serving_positions(tmp_path, variant):
     hs.append(out[0, -1])
 
 
-def test_head_from_target_starts_with_the_targets_head(tmp_path):
-  """drafter.head_from_target: the initial head is the target's logit lens on its last tap (draft vocabulary)."""
+@pytest.mark.parametrize('tap_scale', [False, True])
+def test_head_from_target_starts_with_the_targets_head(tmp_path, tap_scale):
+  """drafter.head_from_target: the initial head is the target's logit lens on its last tap (draft vocabulary),
+  as served also with drafter.tap_scale (fc starts as the scale, folded out at export)."""
   from flax import nnx
 
   import specjax
@@ -96,8 +98,11 @@ def test_head_from_target_starts_with_the_targets_head(tmp_path):
   data = make_data(tmp_path / 'd.jsonl', 6)
   cfg = resolve(eagle3_config(data), ['drafter.head_from_target=True'])
   trainer = make_trainer(cfg, model, None)
-  head, target = nnx.merge(trainer.graphdef, trainer.init(jax.random.key(0))), model.module()
   d = model.config.hidden_size
+  if tap_scale:
+    scale = np.exp(np.random.default_rng(1).normal(0, 2, len(trainer.taps) * d)).astype(np.float32)
+    trainer = dataclasses.replace(trainer, tap_scale=scale)
+  head, target = nnx.merge(trainer.graphdef, trainer.served(trainer.init(jax.random.key(0)))), model.module()
   taps = jax.random.normal(jax.random.key(1), (1, 4, len(trainer.taps) * d)) * 5.0  # residuals at 4 positions
   embeds = jax.random.normal(jax.random.key(2), (1, 4, d))
   want = target.logits(target.norm(taps[..., -d:]), trainer.draft_ids())  # the logit lens of the last tap

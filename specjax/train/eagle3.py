@@ -67,7 +67,7 @@ class Eagle3Trainer(DrafterTrainer):
 
     head = Eagle3Head(self.cfg, dtype=jnp.float32, rngs=nnx.Rngs(params=key))
     if self.head_from_target:
-      start_from_target_head(head, self.target, self.draft_ids())
+      start_from_target_head(head, self.target, self.draft_ids(), self.tap_scale)
     return nnx.split(head)[1]
 
   def draft_ids(self) -> jax.Array:  # [V'] the target id of each draft id
@@ -119,7 +119,7 @@ class Eagle3Trainer(DrafterTrainer):
     return load_eagle3(path, self.target, dtype='float32').params
 
 
-def start_from_target_head(head, target, draft_ids: jax.Array) -> None:
+def start_from_target_head(head, target, draft_ids: jax.Array, tap_scale=None) -> None:
   """Starts the head as the target's logit lens on its last tap: the target's head and norm, the layer a no-op.
 
   `lm_head` takes the target head's draft-vocabulary columns
@@ -130,14 +130,17 @@ def start_from_target_head(head, target, draft_ids: jax.Array) -> None:
   own read of that layer's residual, in the target's logit scale (a random
   residual through Gemma's final norm, scales up to ~300, gives losses in the
   hundreds). SpecForge starts at random; on Gemma 3 270M, 40 steps from here did
-  not beat 40 from random (experiments/train_eagle3_gemma3_270m).
+  not beat 40 from random (experiments/train_eagle3_gemma3_270m). With a
+  `tap_scale` [n * D], `fc` reads taps / scale, so it starts as diag(scale) on
+  the last tap: the served `fc` (scale folded in) is still the pass-through.
   """
   model = nnx.merge(target.graphdef, target.params)
   d = head.cfg.hidden_size
   eye = jnp.eye(d, dtype=jnp.float32)
   head.lm_head[...] = model.logits(eye.astype(target.dtype), draft_ids).astype(jnp.float32)  # [D, V']
   head.norm.scale[...] = final_norm_weight(model)
-  head.fc[...] = jnp.zeros_like(head.fc[...]).at[-d:].set(eye)  # [n * D, D]: the last tap
+  last = eye if tap_scale is None else eye * jnp.asarray(tap_scale[-d:], jnp.float32)[:, None]
+  head.fc[...] = jnp.zeros_like(head.fc[...]).at[-d:].set(last)  # [n * D, D]: the last tap
   head.self_attn.o_proj[...] = jnp.zeros_like(head.self_attn.o_proj[...])
   head.mlp.down[...] = jnp.zeros_like(head.mlp.down[...])
 
