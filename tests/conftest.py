@@ -114,3 +114,32 @@ def spec_bench():
     return spec_bench_path(download=False)
   except SpecjaxError as e:
     pytest.skip(f'needs the Spec-Bench data (set SPECJAX_SPEC_BENCH or run `specjax bench` once to cache it): {e}')
+
+
+def second_token_pvalue(target, prompt: list[int], sampling, second, stop_ids=()) -> float:
+  """chi^2 p-value of sampled second tokens `second` [N] against the target's exact law after `prompt`.
+
+  The law of token 2 is sum over x1 of p(x1) p(x2 | x1), x1 outside `stop_ids` (rows that drew one stopped and
+  have no token 2), compared in 12 bins (token id mod 12).
+  """
+  import jax.numpy as jnp
+  import numpy as np
+  from scipy import stats
+  from specjax.models.contract import StepInputs
+  from specjax.sampling import probs
+
+  model = target.module()
+  v = target.config.vocab_size
+  ids = jnp.asarray([prompt])
+  hidden, _, _ = model.forward(ids, StepInputs.chain(None, jnp.asarray([len(prompt)]), len(prompt)), None)
+  p1 = np.array(probs(model.logits(hidden[:, -1]), sampling))[0]  # [V]
+  p1[list(stop_ids)] = 0
+  both = jnp.concatenate([jnp.tile(ids, (v, 1)), jnp.arange(v)[:, None]], axis=1)
+  hidden, _, _ = model.forward(both, StepInputs.chain(None, jnp.full((v,), both.shape[1]), both.shape[1]), None)
+  p2 = np.asarray(probs(model.logits(hidden[:, -1]), sampling))  # [V, V]
+  law = p1.astype(np.float64) @ p2.astype(np.float64)
+  law /= law.sum()
+  bins = np.arange(v) % 12
+  expected = np.bincount(bins, weights=law, minlength=12) * len(second)
+  observed = np.bincount(bins[np.asarray(second)], minlength=12)
+  return stats.chisquare(observed, expected).pvalue

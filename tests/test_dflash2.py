@@ -21,7 +21,7 @@ from specjax.models.contract import StepInputs
 from specjax.models.dflash import DFlashConfig, DFlashDraft, block_mask, greedy_choice, place
 from specjax.models.layers import Rope
 from specjax.step import propose_phase, spec_step
-from conftest import FIXTURES, RAGGED_PROMPTS, close, shuffled_cache
+from conftest import FIXTURES, RAGGED_PROMPTS, close, second_token_pvalue, shuffled_cache
 from test_dflash import gather
 
 TARGET = f'{FIXTURES}/tiny_qwen3'
@@ -294,20 +294,7 @@ def test_probabilistic_drafting_keeps_the_target_law(target):
   second = np.array([r.tokens[1] for r in results])
   assert sum(r.spec.accepted for r in results) > 10  # some drafts were accepted with q
 
-  model = target.module()
-  v = target.config.vocab_size
-  ids = jnp.asarray([prompt])
-  hidden, _, _ = model.forward(ids, StepInputs.chain(None, jnp.asarray([len(prompt)]), len(prompt)), None)
-  p1 = np.asarray(specjax.sampling.probs(model.logits(hidden[:, -1]), sampling))[0]  # [V]
-  both = jnp.concatenate([jnp.tile(ids, (v, 1)), jnp.arange(v)[:, None]], axis=1)
-  hidden, _, _ = model.forward(both, StepInputs.chain(None, jnp.full((v,), both.shape[1]), both.shape[1]), None)
-  p2 = np.asarray(specjax.sampling.probs(model.logits(hidden[:, -1]), sampling))  # [V, V]
-  law = p1.astype(np.float64) @ p2.astype(np.float64)
-  law /= law.sum()
-  bins = np.arange(v) % 12
-  expected = np.bincount(bins, weights=law, minlength=12) * n
-  observed = np.bincount(bins[second], minlength=12)
-  assert stats.chisquare(observed, expected).pvalue > 1e-3
+  assert second_token_pvalue(target, prompt, sampling, second) > 1e-3
 
 
 # ---------------------------------------------------------------- checkpoint round trip, rollback

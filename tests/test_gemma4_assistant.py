@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from scipy import stats
 
 import specjax
 from specjax.drafters import make_drafter
 from specjax.models.contract import PagedKV
+from conftest import second_token_pvalue
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
 TARGET = os.path.join(FIXTURES, 'tiny_gemma4_for_assistant')
@@ -105,8 +105,6 @@ def test_sampled_steps_keep_the_target_law(target):
   One prompt, 3000 request ids; the exact law of token 2 is sum over token 1 of p(x1) p(x2 | x1), compared in
   12 bins by chi^2. The target puts mass on ids the assistant gives q = 0: only residual draws reach them.
   """
-  from specjax.models.contract import StepInputs
-
   sampling = specjax.SamplingParams(temperature=1.5, seed=3)
   drafter = make_drafter('gemma4-assistant', target, draft_model=copy_assistant(target, CENTROID, mix=0.5))
   engine = specjax.Engine(target, page_size=8, drafter=drafter, max_draft=2)
@@ -116,21 +114,7 @@ def test_sampled_steps_keep_the_target_law(target):
   second = np.array([r.tokens[1] for r in results if len(r.tokens) > 1])  # the rest stopped at an EOS
   assert sum(r.spec.accepted for r in results) > 50
 
-  model = target.module()
-  v = target.config.vocab_size
-  ids = jnp.asarray([prompt])
-  hidden, _, _ = model.forward(ids, StepInputs.chain(None, jnp.asarray([len(prompt)]), len(prompt)), None)
-  p1 = np.array(specjax.sampling.probs(model.logits(hidden[:, -1]), sampling))[0]
-  p1[list(target.generation.eos_token_ids)] = 0  # rows that drew an EOS first have no token 2
-  both = jnp.concatenate([jnp.tile(ids, (v, 1)), jnp.arange(v)[:, None]], axis=1)
-  hidden, _, _ = model.forward(both, StepInputs.chain(None, jnp.full((v,), both.shape[1]), both.shape[1]), None)
-  p2 = np.asarray(specjax.sampling.probs(model.logits(hidden[:, -1]), sampling))
-  law = p1.astype(np.float64) @ p2.astype(np.float64)
-  law /= law.sum()
-  bins = np.arange(v) % 12
-  expected = np.bincount(bins, weights=law, minlength=12) * len(second)
-  observed = np.bincount(bins[second], minlength=12)
-  assert stats.chisquare(observed, expected).pvalue > 1e-3
+  assert second_token_pvalue(target, prompt, sampling, second, target.generation.eos_token_ids) > 1e-3
 
 
 def test_q_is_zero_off_the_centroid_candidates(target):

@@ -1,0 +1,130 @@
+"""Prompt lookup first, a learned drafter where the lookup finds nothing.
+
+`ngram+<family>` (for example `ngram+eagle3`) drafts, per row and step, the
+n-gram continuation when the row's last n tokens (n from `ngram_max` down to
+`ngram_min`) occurred earlier, and the other family's chain otherwise: copied
+spans go to the lookup, which is free and accepted far more often there, and
+new text to the learned drafter. Both drafters keep their state every step
+(the learned drafter reads every committed position, whichever drafts were
+verified), so a row can switch at any step.
+
+Drafts from the lookup are deterministic: when the learned drafter gives q
+for rejection sampling, a looked-up row's q is one-hot at its drafts, for
+which rejection sampling is exactly sample-and-match. Chains only (a tree
+drafter's options are refused); the verify pass is always K + 1 wide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.drafters.ngram import NgramDrafter, NgramOptions
+from specjax.drafters.registry import DrafterFamily
+from specjax.errors import SpecjaxError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NgramFirstDrafter(Drafter):
+  """`lookup`'s drafts where it has a match, else `fallback`'s; state and params are `fallback`'s beside it."""
+
+  lookup: NgramDrafter = None
+  fallback: Drafter = None
+
+  @property
+  def name(self) -> str:
+    return f'ngram+{self.fallback.name}'
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    return self.fallback.taps
+
+  @property
+  def reads_hidden(self) -> bool:
+    return self.fallback.reads_hidden
+
+  @property
+  def provides_q(self) -> bool:
+    return self.fallback.provides_q
+
+  @property
+  def max_depth(self) -> int:
+    return min(self.lookup.max_depth, self.fallback.max_depth)
+
+  @property
+  def default_depth(self) -> int | None:
+    return self.fallback.default_depth
+
+  def lookahead(self, k: int) -> int:
+    return max(self.lookup.lookahead(k), self.fallback.lookahead(k))
+
+  def params(self):
+    return self.fallback.params()
+
+  def init_state(self, plan: BatchPlan):
+    return self.lookup.init_state(plan), self.fallback.init_state(plan)
+
+  def prefill(self, target, params, state, tokens, query_lens, hidden, taps=()):
+    return state[0], self.fallback.prefill(target, params, state[1], tokens, query_lens, hidden, taps)
+
+  def start(self, params, state, ctx: DraftContext):
+    return self.lookup.start((), state[0], ctx), self.fallback.start(params, state[1], ctx)
+
+  def propose(self, target, params, state, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
+    found = self.lookup.propose(target, (), state[0], cache, ctx, k, sampling)
+    learned = self.fallback.propose(target, params, state[1], cache, ctx, k, sampling)
+    use = found.draft_lens > 0  # [B]
+    drafts = jnp.where(use[:, None], found.drafts, learned.drafts)
+    q = learned.q
+    if q is not None:  # [B, K, V]: a looked-up draft was drawn with probability 1
+      q = jnp.where(use[:, None, None], jax.nn.one_hot(found.drafts, q.shape[-1], dtype=q.dtype), q)
+    draft_lens = jnp.where(use, found.draft_lens, learned.draft_lens)
+    return Proposal(drafts, draft_lens, q, (found.state, learned.state), learned.cache)
+
+  def commit(self, params, state, ctx: DraftContext, n_emitted, taps, hidden=None):
+    return (
+        self.lookup.commit((), state[0], ctx, n_emitted, taps, hidden),
+        self.fallback.commit(params, state[1], ctx, n_emitted, taps, hidden),
+    )
+
+
+def ngram_first_family(fallback: DrafterFamily) -> DrafterFamily:
+  """The family `ngram+<fallback>`: the n-gram options beside the fallback's."""
+
+  def validate(self) -> None:
+    NgramOptions.validate(self)
+    if hasattr(fallback.options, 'validate'):
+      fallback.options.validate(self)
+    if getattr(self, 'tree_tokens', 0) or getattr(self, 'tree_parents', None) is not None:
+      raise SpecjaxError(f'--drafter ngram+{fallback.name} drafts chains: drop the tree options')
+
+  options = dataclasses.make_dataclass(
+      f'Ngram{fallback.options.__name__}',
+      [
+          (f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+          for f in dataclasses.fields(NgramOptions)
+      ],
+      bases=(fallback.options,),
+      namespace={'validate': validate},
+      frozen=True,
+      eq=False,
+  )
+
+  def build(target, o) -> NgramFirstDrafter:
+    return NgramFirstDrafter(NgramDrafter(n_min=o.ngram_min, n_max=o.ngram_max), fallback.build(target, o))
+
+  return DrafterFamily(
+      name=f'ngram+{fallback.name}',
+      options=options,
+      build=build,
+      check=fallback.check,
+      depths=fallback.depths,
+      default_depth=fallback.default_depth,
+      max_depth=lambda o: min(16, fallback.max_depth(o)),
+      target_heads=lambda o: fallback.heads_for(o),
+      label=lambda o: f'ngram({o.ngram_min}..{o.ngram_max})+{fallback.describe(o)}',
+      help=f'n-gram prompt lookup where the last n >= --ngram-min tokens occurred before, else {fallback.name}',
+  )

@@ -1,0 +1,112 @@
+"""`ngram+<family>`: n-gram lookup where it matches, the learned drafter elsewhere; greedy equality, which
+drafts each row gets, the sampled law, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.drafters import make_drafter
+from specjax.step import propose_phase
+from conftest import FIXTURES, RAGGED_PROMPTS, second_token_pvalue
+
+LLAMA = f'{FIXTURES}/tiny_llama3'
+HEAD = f'{FIXTURES}/tiny_eagle3'
+QWEN3 = f'{FIXTURES}/tiny_qwen3'
+DFLASH = f'{FIXTURES}/tiny_dflash'
+GREEDY = specjax.SamplingParams()
+
+
+@pytest.fixture(scope='module')
+def llama():
+  return specjax.load(LLAMA)
+
+
+@pytest.mark.parametrize(
+    'target_path, kind, options',
+    [
+        (LLAMA, 'ngram+eagle3', {'draft_model': HEAD}),
+        (LLAMA, 'ngram+eagle3', {'draft_model': HEAD, 'ngram_min': 2}),
+        (QWEN3, 'ngram+dflash', {'draft_model': DFLASH}),
+        (f'{FIXTURES}/tiny_qwen3_5', 'ngram+mtp', {}),  # recurrent state rolled back whichever drafts ran
+    ],
+    ids=['eagle3', 'eagle3-min2', 'dflash', 'mtp-hybrid-target'],
+)
+def test_greedy_equals_autoregressive_every_depth(target_path, kind, options):
+  target = specjax.load(target_path, mtp=kind == 'ngram+mtp')
+  reference, _ = specjax.Engine(target, page_size=4).generate(RAGGED_PROMPTS, max_new_tokens=20)
+  engine = specjax.Engine(target, page_size=4, drafter=make_drafter(kind, target, **options), max_draft=5)
+  for k in range(1, 6):
+    results, _ = engine.generate(RAGGED_PROMPTS, max_new_tokens=20, num_draft=k)
+    assert [r.tokens for r in results] == [r.tokens for r in reference], k
+
+
+def first_drafts(target, drafter, prompts, k=4):
+  engine = specjax.Engine(target, page_size=4, drafter=drafter, max_draft=k)
+  state = engine.prefill(engine.encode(prompts), 8, GREEDY, jnp.asarray([-1], jnp.int32))
+  step = jax.jit(propose_phase, static_argnums=0, static_argnames=('drafter', 'k', 'sampling'))
+  _, prop = step(target.graphdef, target.params, drafter.params(), state, drafter=drafter, k=k, sampling=GREEDY)
+  return np.asarray(prop.drafts), np.asarray(prop.draft_lens)
+
+
+def test_rows_with_a_match_get_the_lookup_others_the_head(llama):
+  """Row 0's prompt holds token ids 100-499, its first token among them; row 1 ('Hi') has no
+  match: row 0 drafts n-gram's continuation, row 1 the EAGLE-3 head's chain, each as that drafter alone."""
+  prompts = [list(range(100, 500)), 'Hi']
+  both = first_drafts(llama, make_drafter('ngram+eagle3', llama, draft_model=HEAD), prompts)
+  lookup = first_drafts(llama, make_drafter('ngram', llama), prompts)
+  head = first_drafts(llama, make_drafter('eagle3', llama, draft_model=HEAD), prompts)
+  assert lookup[1][0] > 0 and lookup[1][1] == 0
+  n = lookup[1][0]
+  np.testing.assert_array_equal(both[0][0, :n], lookup[0][0, :n])
+  np.testing.assert_array_equal(both[0][1], head[0][1])
+  np.testing.assert_array_equal(both[1][:2], [n, 4])
+
+
+def test_sampled_keeps_the_target_law(llama):
+  """Looked-up rows verify with a one-hot q, head rows with the head's q: token 2's law is the target's.
+
+  One prompt of the even ids below 100, 3000 request ids at temperature 1.5: after a first token among them
+  the lookup drafts, after any other the head; the exact law of token 2 is sum over x1 (not EOS) of p(x1) p(x2 | x1),
+  compared in 12 bins (token id mod 12) by chi^2.
+  """
+  sampling = specjax.SamplingParams(temperature=1.5, seed=7)
+  drafter = make_drafter('ngram+eagle3', llama, draft_model=HEAD)
+  engine = specjax.Engine(llama, page_size=8, drafter=drafter, max_draft=2)
+  n = 3000
+  prompt = list(range(0, 100, 2))  # 50 of the 512 ids
+  results, _ = engine.generate([prompt] * n, max_new_tokens=2, sampling=sampling, num_draft=2)
+  first = np.array([r.tokens[0] for r in results])
+  second = np.array([r.tokens[1] for r in results if len(r.tokens) > 1])  # rows that did not stop at x1
+  seen = np.isin(first, prompt)
+  assert 0.05 < seen.mean() < 0.95, seen.mean()  # both drafters drafted
+  assert sum(r.spec.accepted for r in results) > 10, sum(r.spec.accepted for r in results)
+
+  assert second_token_pvalue(llama, prompt, sampling, second, llama.tokenizer.eos_ids) > 1e-3
+
+
+@pytest.mark.parametrize(
+    'argv, message',
+    [
+        (['--drafter', 'ngram+eagle3', '--draft-model', HEAD, '--tree-tokens', '4', '--tree-topk', '2'], 'chains'),
+        (['--drafter', 'ngram+eagle3'], 'needs --draft-model'),
+        (['--drafter', 'ngram+eagle3', '--draft-model', HEAD, '--ngram-min', '4'], 'ngram_min <= ngram_max'),
+        (['--drafter', 'ngram+dflash', '--draft-model', HEAD], 'error'),
+    ],
+)
+def test_bad_input_is_one_error_line(capsys, argv, message):
+  from specjax.cli import main
+
+  code = main(['run', '-m', LLAMA, '--prompt', 'Hi', '--max-new-tokens', '2'] + argv)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code != 0 and len(err) == 1 and err[0].startswith('error:') and message in err[0], err
+
+
+def test_cli_run(capsys):
+  from specjax.cli import main
+
+  prompt = 'def add(a, b):\n    return a + b\n\ndef sub(a, b):\n'
+  argv = ['run', '-m', LLAMA, '--drafter', 'ngram+eagle3', '--draft-model', HEAD, '--prompt', prompt]
+  assert main(argv + ['--max-new-tokens', '8', '--n-predict', '3']) == 0
+  assert 'error' not in capsys.readouterr().err
