@@ -29,7 +29,7 @@ from specjax.errors import SpecjaxError
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NgramFirstDrafter(Drafter):
-  """`lookup`'s drafts where it has a match, else `fallback`'s; state and params are `fallback`'s beside it."""
+  """`lookup`'s drafts where it has a match, else `fallback`'s. State: (lookup's, fallback's); params: fallback's."""
 
   lookup: NgramDrafter = None
   fallback: Drafter = None
