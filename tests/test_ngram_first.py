@@ -68,8 +68,8 @@ def test_sampled_keeps_the_target_law(llama):
   """Looked-up rows verify with a one-hot q, head rows with the head's q: token 2's law is the target's.
 
   One prompt of the even ids below 100, 3000 request ids at temperature 1.5: after a first token among them
-  the lookup drafts, after any other the head; the exact law of token 2 is sum over x1 (not EOS) of p(x1) p(x2 | x1),
-  compared in 12 bins (token id mod 12) by chi^2.
+  the lookup drafts, after any other the head; the exact law of token 2 is sum over x1 (not EOS) of
+  p(x1) p(x2 | x1), compared in 12 bins (token id mod 12) by chi^2.
   """
   sampling = specjax.SamplingParams(temperature=1.5, seed=7)
   drafter = make_drafter('ngram+eagle3', llama, draft_model=HEAD)

@@ -8,10 +8,10 @@ from specjax.drafters.dflash import DFlashDrafter
 from specjax.drafters.draft_model import DraftModelDrafter, check_compatible
 from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.gemma4_assistant import Gemma4AssistantDrafter
-from specjax.drafters.ngram_first import NgramFirstDrafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.mtp import MTPDrafter, check_mtp_target
 from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.ngram_first import NgramFirstDrafter
 from specjax.drafters.registry import REGISTRY, DrafterFamily, get, make_drafter, names, register
 
 # One line per family.
@@ -35,10 +35,10 @@ __all__ = [
     'DraftModelDrafter',
     'Eagle3Drafter',
     'Gemma4AssistantDrafter',
-    'NgramFirstDrafter',
     'LayerSkipDrafter',
     'MTPDrafter',
     'NgramDrafter',
+    'NgramFirstDrafter',
     'Proposal',
     'REGISTRY',
     'check_compatible',

@@ -123,8 +123,8 @@ def ngram_first_family(fallback: DrafterFamily) -> DrafterFamily:
       check=fallback.check,
       depths=fallback.depths,
       default_depth=fallback.default_depth,
-      max_depth=lambda o: min(16, fallback.max_depth(o)),
-      target_heads=lambda o: fallback.heads_for(o),
+      max_depth=lambda o: min(NgramDrafter.max_depth, fallback.max_depth(o)),
+      target_heads=fallback.heads_for,
       label=lambda o: f'ngram({o.ngram_min}..{o.ngram_max})+{fallback.describe(o)}',
       help=f'n-gram prompt lookup where the last n >= --ngram-min tokens occurred before, else {fallback.name}',
   )
