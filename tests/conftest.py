@@ -101,7 +101,8 @@ def shuffled_cache(kv_shapes, b: int, t: int, page_size: int = 4):
 
 def drafter_options(kind: str, *, draft_model=None, layers: int = 2) -> dict:
   """The options of each drafter family used by the tests (each family takes only its own)."""
-  return {'draft-model': {'draft_model': draft_model}, 'layer-skip': {'layers': layers}}.get(kind, {})
+  options = {'draft-model': {'draft_model': draft_model}, 'layer-skip': {'layers': layers}}
+  return options.get(kind.removeprefix('ngram+'), {})
 
 
 @pytest.fixture(scope='session')

@@ -8,6 +8,8 @@ import pytest
 
 import specjax
 from specjax.drafters import make_drafter
+from specjax.drafters.base import Drafter
+from specjax.drafters.head import HeadDrafter
 from specjax.step import propose_phase
 from conftest import FIXTURES, RAGGED_PROMPTS, second_token_pvalue
 
@@ -62,6 +64,28 @@ def test_rows_with_a_match_get_the_lookup_others_the_head(llama):
   np.testing.assert_array_equal(both[0][0, :n], lookup[0][0, :n])
   np.testing.assert_array_equal(both[0][1], head[0][1])
   np.testing.assert_array_equal(both[1][:2], [n, 4])
+
+
+def test_head_after_skipped_steps_drafts_as_if_it_had_drafted(llama, monkeypatch):
+  """A step whose rows all have a match skips the head's chain; the head only takes in what was committed
+  (`HeadDrafter.advance`). Its later drafts equal those of a run where it drafted in those steps (the base
+  class's `advance`: a depth-1 proposal)."""
+  prompt = RAGGED_PROMPTS[0]
+
+  def run():
+    engine = specjax.Engine(llama, page_size=4, drafter=make_drafter('ngram+eagle3', llama, draft_model=HEAD))
+    results, _ = engine.generate([prompt], max_new_tokens=40, num_draft=4, trace=True)
+    return engine.encode([prompt])[0], results[0]
+
+  ids, skipping = run()
+  monkeypatch.setattr(HeadDrafter, 'advance', Drafter.advance)
+  _, drafting = run()
+  assert skipping.trace == drafting.trace
+  tokens, kinds = list(ids) + skipping.tokens[:1], []
+  for step in skipping.trace:  # n_min 1: a match when the last token occurred before
+    kinds.append('lookup' if tokens[-1] in tokens[:-1] else 'head')
+    tokens += step['emitted']
+  assert 'lookup head' in ' '.join(kinds), kinds  # the head drafted after a skipped step
 
 
 def test_sampled_keeps_the_target_law(llama):

@@ -9,6 +9,9 @@ jitted step); its weights and state are pytrees passed in explicitly:
       -> Proposal(drafts [B, K], draft_lens [B], q [B, K, V] | None, state, cache, parents)
   commit(params, state, ctx, n_emitted, taps, hidden) -> state
   start(params, state, ctx) -> state        (jitted, once after the first token)
+  advance(target, params, state, cache, ctx, sampling) -> (state, cache)
+      what propose does to the state without drafting (a step that verifies
+      other drafts: `ngram+<family>`)
 
 `target` is the merged target module (layer-skip drafts with its first layers;
 others ignore it). `cache` is the target's KV cache: a drafter may write draft
@@ -30,7 +33,8 @@ Drafters whose drafts depend only on the committed tokens (n-gram) may look
 them up ahead (`drafts_ahead`): `start` and `commit` compute the next step's
 drafts for the deepest K, `propose` slices them, and `pending_lens(state)`
 [B] tells the host, with the step's outputs, how many each row has, so the
-engine runs a verify pass only as wide as the longest draft needs.
+engine runs a verify pass only as wide as the longest draft needs
+(`ngram+<family>` too: its rows without a match count as K).
 """
 
 from __future__ import annotations
@@ -120,6 +124,14 @@ class Drafter:
       hidden: jax.Array | None = None,
   ):
     return state
+
+  def advance(self, target, params, state, cache: KVCache, ctx: DraftContext, sampling):
+    """(state, cache) as `propose` leaves them, without the drafts: for steps that verify other drafts.
+
+    `commit` then sees emitted tokens this drafter did not draft. Default: `propose` at depth 1.
+    """
+    prop = self.propose(target, params, state, cache, ctx, 1, sampling)
+    return prop.state, prop.cache
 
   def start(self, params, state, ctx: DraftContext):
     """Called once after the first token is sampled (drafters that draft ahead look up here)."""

@@ -122,6 +122,9 @@ class DFlashDrafter(Drafter):
     lens = jnp.where(ctx.active, k, 0).astype(jnp.int32)
     return Proposal(drafts, lens, q, DFlashState(dcache), cache)
 
+  def advance(self, target, params, state, cache, ctx: DraftContext, sampling):
+    return state, cache  # its context moves at commit; drafting only writes scratch slots
+
   def _sampled_path(self, draft, rows, values, ids, vocab: int, ctx: DraftContext, sampling):
     """Slot by slot, a token drawn from its candidates after the previous draw: (drafts [B, S], q [B, S, V])."""
 

@@ -1,9 +1,12 @@
 """An independent draft model with its own paged KV cache.
 
 Its cache mirrors the target's layout (same block tables, its own page pool)
-and holds every committed token but the newest, like the target's. After a
-fully accepted step it is one token behind, so `propose` first feeds the 1-2
-pending tokens as one ragged block, then drafts K tokens one at a time.
+and holds every committed token but the newest, like the target's. `propose`
+first feeds the pending tokens as one ragged block (1; 2 after a fully
+accepted step; up to K + 1 after a step that verified other drafts), then
+drafts K tokens one at a time. `commit` keeps the fed drafts the step
+emitted, compared token by token, so the cache stays exact whichever drafts
+were verified (`ngram+draft-model`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ def draft_loop(
   return chain_scan(draw, feed, h, cache, k)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftModelState:
+  cache: KVCache  # the draft model's; lengths = positions written
+  fed: jax.Array  # [B, max_draft] the drafts fed at positions L + 1, ... by the last propose; -1 past them
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftModelDrafter(Drafter):
   """Drafts with a separate (smaller) model of the same vocabulary."""
@@ -78,42 +88,57 @@ class DraftModelDrafter(Drafter):
   def params(self):
     return self.model.params
 
-  def init_state(self, plan: BatchPlan) -> KVCache:
-    return KVCache.create(
+  def init_state(self, plan: BatchPlan) -> DraftModelState:
+    cache = KVCache.create(
         self.model.kv_shapes,
         num_pages=plan.num_pages,
         page_size=plan.page_size,
         block_tables=plan.block_tables,
         dtype=self.model.dtype,
     )
+    return DraftModelState(cache, jnp.full((plan.batch, max(plan.max_draft, 1)), -1, jnp.int32))
 
-  def prefill(self, target, params, state, tokens, query_lens, hidden, taps=()):
-    _, state = nnx.merge(self.model.graphdef, params)(tokens, state, query_lens)
-    return state
+  def prefill(self, target, params, state: DraftModelState, tokens, query_lens, hidden, taps=()):
+    _, cache = nnx.merge(self.model.graphdef, params)(tokens, state.cache, query_lens)
+    return dataclasses.replace(state, cache=cache)
 
-  def propose(self, target, params, state: KVCache, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
+  def _pending(self, state: DraftModelState, ctx: DraftContext):
+    """The committed tokens not yet in the draft cache, [B, max_draft + 1], and how many each row has."""
+    lengths = state.cache.lengths
+    idx = jnp.clip(lengths[:, None] + jnp.arange(state.fed.shape[1] + 1)[None, :], 0, ctx.tokens.shape[1] - 1)
+    return jnp.take_along_axis(ctx.tokens, idx, axis=1), jnp.where(ctx.active, ctx.lengths - lengths + 1, 0)
+
+  def propose(self, target, params, state: DraftModelState, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
     draft = nnx.merge(self.model.graphdef, params)
-    pending = jnp.where(ctx.active, ctx.lengths - state.lengths + 1, 0)  # 1, or 2 after a full accept
-    idx = jnp.clip(state.lengths[:, None] + jnp.arange(2)[None, :], 0, ctx.tokens.shape[1] - 1)
-    first = jnp.take_along_axis(ctx.tokens, idx, axis=1)
-    drafts, q, state = draft_loop(
+    first, pending = self._pending(state, ctx)
+    drafts, q, dcache = draft_loop(
         draft,
         draft.logits,
         first,
         pending,
-        state,
+        state.cache,
         k,
         sampling,
         ctx.seq_ids,
         ctx.lengths + 1,
         need_q=not sampling.is_greedy,
     )
+    fed = jnp.full_like(state.fed, -1).at[:, : k - 1].set(drafts[:, : k - 1])
     draft_lens = jnp.where(ctx.active, k, 0)
-    return Proposal(drafts, draft_lens, q, state, cache)
+    return Proposal(drafts, draft_lens, q, DraftModelState(dcache, fed), cache)
 
-  def commit(self, params, state: KVCache, ctx: DraftContext, n_emitted, taps, hidden=None):
-    # Valid: everything up to the new last token, at most what was written.
-    return dataclasses.replace(state, lengths=jnp.minimum(state.lengths, ctx.lengths))
+  def advance(self, target, params, state: DraftModelState, cache, ctx: DraftContext, sampling):
+    first, pending = self._pending(state, ctx)
+    _, dcache = nnx.merge(self.model.graphdef, params)(first, state.cache, pending)
+    return DraftModelState(dcache, jnp.full_like(state.fed, -1)), cache
+
+  def commit(self, params, state: DraftModelState, ctx: DraftContext, n_emitted, taps, hidden=None):
+    # Valid: everything up to the new last token that was written with the token emitted there.
+    start = ctx.lengths - n_emitted + 1  # the position of the first fed draft
+    idx = jnp.clip(start[:, None] + jnp.arange(state.fed.shape[1])[None, :], 0, ctx.tokens.shape[1] - 1)
+    agree = jnp.cumprod(state.fed == jnp.take_along_axis(ctx.tokens, idx, axis=1), axis=1).sum(axis=1)
+    lengths = jnp.minimum(jnp.minimum(state.cache.lengths, ctx.lengths), start + agree)
+    return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths.astype(jnp.int32)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -88,6 +88,9 @@ class Gemma4AssistantDrafter(Drafter):
     q = None if qs is None else jnp.moveaxis(qs, 0, 1)
     return Proposal(drafts.T, jnp.where(ctx.active, k, 0), q, state, cache)
 
+  def advance(self, target, params, state, cache, ctx: DraftContext, sampling):
+    return state, cache  # propose leaves the state as it is; it moves at commit
+
   def commit(self, params, state: AssistantState, ctx, n_emitted, taps, hidden=None) -> AssistantState:
     # hidden [B, K + 1, D]: the verify block; its position n_emitted - 1 is the new L - 1.
     last = _at(hidden, n_emitted - 1).astype(state.hidden.dtype)

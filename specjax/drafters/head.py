@@ -145,6 +145,10 @@ class HeadDrafter(Drafter):
     h = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     return h, cache
 
+  def _fed(self, state: HeadState, head_cache: KVCache, ctx: DraftContext) -> HeadState:
+    """The state once the pending pairs are in `head_cache`."""
+    return HeadState(head_cache, state.pending, jnp.where(ctx.active, 0, state.num_pending).astype(jnp.int32))
+
   def propose(self, target, params, state: HeadState, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
     h, head_cache = self._feed_pending(params, target, state, ctx)
     committed = head_cache.lengths
@@ -154,9 +158,12 @@ class HeadDrafter(Drafter):
       drafts, q = self._chain_drafts(params, target, h, head_cache, ctx, k, sampling)
       parents, draft_lens = None, jnp.full_like(ctx.lengths, k)
     head_cache = dataclasses.replace(head_cache, lengths=committed)  # draft pairs are not committed
-    pending = jnp.where(ctx.active, 0, state.num_pending).astype(jnp.int32)
-    state = HeadState(head_cache, state.pending, pending)
+    state = self._fed(state, head_cache, ctx)
     return Proposal(drafts, jnp.where(ctx.active, draft_lens, 0), q, state, cache, parents)
+
+  def advance(self, target, params, state: HeadState, cache, ctx: DraftContext, sampling):
+    _, head_cache = self._feed_pending(params, target, state, ctx)
+    return self._fed(state, head_cache, ctx), cache
 
   def _chain_drafts(self, params, target, h, head_cache, ctx, k, sampling):
     """K chained drafts from the head's output h [B, D]: (drafts [B, K], q [B, K, V] | None).

@@ -43,6 +43,9 @@ class LayerSkipDrafter(Drafter):
     cache = dataclasses.replace(drafted_cache, lengths=cache.lengths)  # draft positions are not committed
     return Proposal(drafts, jnp.where(ctx.active, k, 0), q, state, cache)
 
+  def advance(self, target, params, state, cache, ctx: DraftContext, sampling):
+    return state, cache  # drafting only writes scratch positions past the cache's lengths
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerSkipOptions:

@@ -8,10 +8,16 @@ new text to the learned drafter. Both drafters keep their state every step
 (the learned drafter reads every committed position, whichever drafts were
 verified), so a row can switch at any step.
 
+The lookups are made ahead, at commit (`Drafter.drafts_ahead`): the host
+reads each row's pending draft length (a row without a match counts as the
+full K) and verifies only as wide as the longest draft needs, as for n-gram
+alone. The learned drafter drafts only in steps where some row has no match;
+in the others it only catches up with what was committed (`advance`).
+
 Drafts from the lookup are deterministic: when the learned drafter gives q
 for rejection sampling, a looked-up row's q is one-hot at its drafts, for
 which rejection sampling is exactly sample-and-match. Chains only (a tree
-drafter's options are refused); the verify pass is always K + 1 wide.
+drafter's options are refused).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class NgramFirstDrafter(Drafter):
 
   lookup: NgramDrafter = None
   fallback: Drafter = None
+  drafts_ahead: bool = True
 
   @property
   def name(self) -> str:
@@ -73,16 +80,30 @@ class NgramFirstDrafter(Drafter):
   def start(self, params, state, ctx: DraftContext):
     return self.lookup.start((), state[0], ctx), self.fallback.start(params, state[1], ctx)
 
+  def pending_lens(self, state) -> jax.Array:
+    found = self.lookup.pending_lens(state[0])
+    return jnp.where(found > 0, found, state[0].drafts.shape[1])  # no match: the fallback drafts the full K
+
   def propose(self, target, params, state, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
     found = self.lookup.propose(target, (), state[0], cache, ctx, k, sampling)
-    learned = self.fallback.propose(target, params, state[1], cache, ctx, k, sampling)
     use = found.draft_lens > 0  # [B]
-    drafts = jnp.where(use[:, None], found.drafts, learned.drafts)
-    q = learned.q
+
+    def drafted():
+      prop = self.fallback.propose(target, params, state[1], cache, ctx, k, sampling)
+      return prop.drafts, prop.draft_lens, prop.q, prop.state, prop.cache
+
+    def caught_up():  # every active row has a match: the fallback only takes in what was committed
+      drafts, draft_lens, q, _, _ = jax.eval_shape(drafted)
+      fallback_state, fallback_cache = self.fallback.advance(target, params, state[1], cache, ctx, sampling)
+      zeros = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)
+      return zeros(drafts), zeros(draft_lens), zeros(q), fallback_state, fallback_cache
+
+    learned, learned_lens, q, fallback_state, cache = jax.lax.cond(jnp.any(ctx.active & ~use), drafted, caught_up)
+    drafts = jnp.where(use[:, None], found.drafts, learned)
     if q is not None:  # [B, K, V]: a looked-up draft was drawn with probability 1
       q = jnp.where(use[:, None, None], jax.nn.one_hot(found.drafts, q.shape[-1], dtype=q.dtype), q)
-    draft_lens = jnp.where(use, found.draft_lens, learned.draft_lens)
-    return Proposal(drafts, draft_lens, q, (found.state, learned.state), learned.cache)
+    draft_lens = jnp.where(use, found.draft_lens, learned_lens)
+    return Proposal(drafts, draft_lens, q, (found.state, fallback_state), cache)
 
   def commit(self, params, state, ctx: DraftContext, n_emitted, taps, hidden=None):
     return (
