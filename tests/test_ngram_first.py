@@ -44,6 +44,21 @@ def test_greedy_equals_autoregressive_every_depth(target_path, kind, options):
     assert [r.tokens for r in results] == [r.tokens for r in reference], k
 
 
+def test_tuner_policy_keeps_greedy_output(llama):
+  """Under the acceptance / step-time tuner the host sees each row's pending draft length (a row without a
+  match counts as K) and picks depth and verify width from it; output is still the target's greedy output."""
+  from specjax.policies import make_policy
+
+  reference, _ = specjax.Engine(llama, page_size=4).generate(RAGGED_PROMPTS, max_new_tokens=24)
+  drafter = make_drafter('ngram+eagle3', llama, draft_model=HEAD)
+  engine = specjax.Engine(llama, page_size=4, drafter=drafter, max_draft=5)
+  tuner = make_policy('tuner', family='eagle3', candidates=(1, 3, 5), explore_every=4)
+  results, stats = engine.generate(RAGGED_PROMPTS, max_new_tokens=24, num_draft=tuner)
+  assert [r.tokens for r in results] == [r.tokens for r in reference]
+  assert len({k for k, _, _ in stats.steps}) > 1  # the tuner moved
+  assert all(r.spec.pending_per_step for r in results)  # pending lengths reached the host
+
+
 def first_drafts(target, drafter, prompts, k=4):
   engine = specjax.Engine(target, page_size=4, drafter=drafter, max_draft=k)
   state = engine.prefill(engine.encode(prompts), 8, GREEDY, jnp.asarray([-1], jnp.int32))
