@@ -142,6 +142,16 @@ class Drafter:
     raise NotImplementedError
 
 
+def token_window(
+    tokens: jax.Array,  # [B, C]
+    start: jax.Array,  # [B]
+    n: int,
+) -> jax.Array:
+  """tokens[b, start[b] : start[b] + n] for each row b, [B, n]; positions outside the buffer read its ends."""
+  idx = jnp.clip(start[:, None] + jnp.arange(n)[None, :], 0, tokens.shape[1] - 1)
+  return jnp.take_along_axis(tokens, idx, axis=1)
+
+
 def chain_scan(draw, feed, h: jax.Array, carry, k: int):
   """K chained drafts from the drafter's output h [B, D]: (drafts [B, K], q [B, K, V] | None, carry).
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
-from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal, chain_scan
+from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal, chain_scan, token_window
 from specjax.drafters.registry import DrafterFamily, checkpoint_option
 from specjax.errors import SpecjaxError
 from specjax.models.base import Model
@@ -105,8 +105,8 @@ class DraftModelDrafter(Drafter):
   def _pending(self, state: DraftModelState, ctx: DraftContext):
     """The committed tokens not yet in the draft cache, [B, max_draft + 1], and how many each row has."""
     lengths = state.cache.lengths
-    idx = jnp.clip(lengths[:, None] + jnp.arange(state.fed.shape[1] + 1)[None, :], 0, ctx.tokens.shape[1] - 1)
-    return jnp.take_along_axis(ctx.tokens, idx, axis=1), jnp.where(ctx.active, ctx.lengths - lengths + 1, 0)
+    first = token_window(ctx.tokens, lengths, state.fed.shape[1] + 1)
+    return first, jnp.where(ctx.active, ctx.lengths - lengths + 1, 0)
 
   def propose(self, target, params, state: DraftModelState, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
     draft = nnx.merge(self.model.graphdef, params)
@@ -135,8 +135,8 @@ class DraftModelDrafter(Drafter):
   def commit(self, params, state: DraftModelState, ctx: DraftContext, n_emitted, taps, hidden=None):
     # Valid: everything up to the new last token that was written with the token emitted there.
     start = ctx.lengths - n_emitted + 1  # the position of the first fed draft
-    idx = jnp.clip(start[:, None] + jnp.arange(state.fed.shape[1])[None, :], 0, ctx.tokens.shape[1] - 1)
-    agree = jnp.cumprod(state.fed == jnp.take_along_axis(ctx.tokens, idx, axis=1), axis=1).sum(axis=1)
+    emitted = token_window(ctx.tokens, start, state.fed.shape[1])
+    agree = jnp.cumprod(state.fed == emitted, axis=1).sum(axis=1)
     lengths = jnp.minimum(jnp.minimum(state.cache.lengths, ctx.lengths), start + agree)
     return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths.astype(jnp.int32)))
 

@@ -43,7 +43,7 @@ from specjax import sampling as sampling_lib
 from specjax import trees
 from specjax.cache.paged import KVCache
 from specjax.drafters import tree_search
-from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal, chain_scan
+from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal, chain_scan, token_window
 from specjax.drafters.registry import option
 from specjax.errors import SpecjaxError
 from specjax.models.contract import StepInputs
@@ -139,8 +139,7 @@ class HeadDrafter(Drafter):
     s = state.pending.shape[1]
     m = state.cache.lengths
     count = jnp.where(ctx.active, state.num_pending, 0).astype(jnp.int32)
-    idx = jnp.clip(m[:, None] + 1 + jnp.arange(s)[None, :], 0, ctx.tokens.shape[1] - 1)
-    next_tokens = jnp.take_along_axis(ctx.tokens, idx, axis=1)  # [B, S] x_{t+1} of each pending pair
+    next_tokens = token_window(ctx.tokens, m + 1, s)  # [B, S] x_{t+1} of each pending pair
     out, cache = self._chain(params, target, next_tokens, state.pending, state.cache, count)
     h = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     return h, cache

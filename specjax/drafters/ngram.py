@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
+from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal, token_window
 from specjax.drafters.registry import DrafterFamily, option
 from specjax.errors import SpecjaxError
 
@@ -80,10 +80,9 @@ def ngram_lookup(
 ) -> tuple[jax.Array, jax.Array]:
   """Returns (drafts [B, K], draft_lens [B]); draft_lens is 0 without a match."""
   b, c = tokens.shape
-  rows = jnp.arange(b)[:, None]
   start = jnp.full((b,), -1, jnp.int32)  # where the continuation starts
   for n in range(n_max, n_min - 1, -1):
-    suffix = tokens[rows, jnp.clip(seq_lens[:, None] - n + jnp.arange(n), 0, c - 1)]  # [B, n]
+    suffix = token_window(tokens, seq_lens - n, n)  # [B, n]
     windows = c - n  # a window at j covers j..j+n-1 and is followed by j+n
     match = jnp.ones((b, windows), bool)
     for i in range(n):
@@ -93,8 +92,7 @@ def ngram_lookup(
     latest = jnp.max(jnp.where(match, j[None, :], -1), axis=1)
     start = jnp.where((start < 0) & (latest >= 0), latest + n, start)
   found = start >= 0
-  idx = jnp.clip(start[:, None] + jnp.arange(k)[None, :], 0, c - 1)
-  drafts = jnp.take_along_axis(tokens, idx, axis=1)
+  drafts = token_window(tokens, start, k)
   draft_lens = jnp.where(found, jnp.clip(seq_lens - start, 0, k), 0)
   return drafts.astype(jnp.int32), draft_lens.astype(jnp.int32)
 
