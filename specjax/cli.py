@@ -216,7 +216,7 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
 def drafter_kind(args) -> str:
   """The drafter family the flags ask for (checked before any model is read)."""
   from specjax.drafters import REGISTRY, get
-  from specjax.drafters.registry import checkpoint_family
+  from specjax.drafters.registry import checkpoint_family, option_fields
 
   mtp = getattr(args, 'mtp', False)
   if mtp and args.drafter not in (None, 'mtp'):
@@ -229,10 +229,11 @@ def drafter_kind(args) -> str:
     kind = checkpoint_family(args.draft_model) or 'draft-model'
   family = get(kind)
   own = {f.name for f in dataclasses.fields(family.options)}
-  for other in REGISTRY.values():
-    for f in dataclasses.fields(other.options):
-      if f.name not in own and getattr(args, f.name, None) is not None:
-        raise SpecjaxError(f'{f.metadata["flags"][0]} is an option of --drafter {other.name}, not {kind}')
+  for name, f in option_fields().items():
+    if name not in own and getattr(args, name, None) is not None:
+      owners = [o.name for o in REGISTRY.values() if name in {g.name for g in dataclasses.fields(o.options)}]
+      owners = [o for o in owners if '+' not in o] + (['ngram+<family>'] if any('+' in o for o in owners) else [])
+      raise SpecjaxError(f'{f.metadata["flags"][0]} is an option of --drafter {", ".join(owners)}, not {kind}')
   return kind
 
 

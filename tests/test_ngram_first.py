@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.drafters import make_drafter
+from specjax.drafters import get, make_drafter
 from specjax.drafters.base import Drafter
 from specjax.drafters.head import HeadDrafter
 from specjax.step import propose_phase
@@ -30,10 +30,11 @@ def llama():
     [
         (LLAMA, 'ngram+eagle3', {'draft_model': HEAD}),
         (LLAMA, 'ngram+eagle3', {'draft_model': HEAD, 'ngram_min': 2}),
+        (LLAMA, 'ngram+eagle3', {'draft_model': HEAD, 'fallback_depth': 2}),
         (QWEN3, 'ngram+dflash', {'draft_model': DFLASH}),
         (f'{FIXTURES}/tiny_qwen3_5', 'ngram+mtp', {}),  # recurrent state rolled back whichever drafts ran
     ],
-    ids=['eagle3', 'eagle3-min2', 'dflash', 'mtp-hybrid-target'],
+    ids=['eagle3', 'eagle3-min2', 'eagle3-fallback2', 'dflash', 'mtp-hybrid-target'],
 )
 def test_greedy_equals_autoregressive_every_depth(target_path, kind, options):
   target = specjax.load(target_path, mtp=kind == 'ngram+mtp')
@@ -81,6 +82,23 @@ def test_rows_with_a_match_get_the_lookup_others_the_head(llama):
   np.testing.assert_array_equal(both[1][:2], [n, 4])
 
 
+def test_fallback_depth_caps_the_head_chain_only(llama):
+  """`fallback_depth=2`: the row without a match drafts the head's first 2 tokens and reports 2 pending
+  (the host verifies 3 positions when no row has a match), the looked-up row its full continuation."""
+  prompts = [list(range(100, 500)), 'Hi']
+  drafter = make_drafter('ngram+eagle3', llama, draft_model=HEAD, fallback_depth=2)
+  both = first_drafts(llama, drafter, prompts)
+  head = first_drafts(llama, make_drafter('eagle3', llama, draft_model=HEAD), prompts)
+  lookup = first_drafts(llama, make_drafter('ngram', llama), prompts)
+  np.testing.assert_array_equal(both[1], [lookup[1][0], 2])
+  np.testing.assert_array_equal(both[0][1, :2], head[0][1, :2])
+  engine = specjax.Engine(llama, page_size=4, drafter=drafter, max_draft=4)
+  state = engine.prefill(engine.encode(prompts), 8, GREEDY, jnp.asarray([-1], jnp.int32), drafting=True)
+  np.testing.assert_array_equal(drafter.pending_lens(state.drafter), [lookup[1][0], 2])
+  family = get('ngram+eagle3')
+  assert family.describe(family.options(draft_model=HEAD, fallback_depth=2)).endswith('(k<=2)')
+
+
 def test_head_after_skipped_steps_drafts_as_if_it_had_drafted(llama, monkeypatch):
   """A step whose rows all have a match skips the head's chain; the head only takes in what was committed
   (`HeadDrafter.advance`). Its later drafts equal those of a run where it drafted in those steps (the base
@@ -103,15 +121,17 @@ def test_head_after_skipped_steps_drafts_as_if_it_had_drafted(llama, monkeypatch
   assert 'lookup head' in ' '.join(kinds), kinds  # the head drafted after a skipped step
 
 
-def test_sampled_keeps_the_target_law(llama):
-  """Looked-up rows verify with a one-hot q, head rows with the head's q: token 2's law is the target's.
+@pytest.mark.parametrize('fallback_depth', [0, 1], ids=['head-k2', 'head-k1'])
+def test_sampled_keeps_the_target_law(llama, fallback_depth):
+  """Looked-up rows verify with a one-hot q, head rows with the head's q (of 2 drafts, or 1 padded to the
+  lookup's 2 by `fallback_depth=1`): token 2's law is the target's.
 
   One prompt of the even ids below 100, 3000 request ids at temperature 1.5: after a first token among them
   the lookup drafts, after any other the head; the exact law of token 2 is sum over x1 (not EOS) of
   p(x1) p(x2 | x1), compared in 12 bins (token id mod 12) by chi^2.
   """
   sampling = specjax.SamplingParams(temperature=1.5, seed=7)
-  drafter = make_drafter('ngram+eagle3', llama, draft_model=HEAD)
+  drafter = make_drafter('ngram+eagle3', llama, draft_model=HEAD, fallback_depth=fallback_depth)
   engine = specjax.Engine(llama, page_size=8, drafter=drafter, max_draft=2)
   n = 3000
   prompt = list(range(0, 100, 2))  # 50 of the 512 ids
@@ -132,6 +152,8 @@ def test_sampled_keeps_the_target_law(llama):
         (['--drafter', 'ngram+eagle3'], 'needs --draft-model'),
         (['--drafter', 'ngram+eagle3', '--draft-model', HEAD, '--ngram-min', '4'], 'ngram_min <= ngram_max'),
         (['--drafter', 'ngram+dflash', '--draft-model', HEAD], 'error'),
+        (['--drafter', 'ngram+eagle3', '--draft-model', HEAD, '--fallback-depth', '17'], '--fallback-depth must'),
+        (['--drafter', 'eagle3', '--draft-model', HEAD, '--fallback-depth', '2'], 'of --drafter ngram+<family>'),
     ],
 )
 def test_bad_input_is_one_error_line(capsys, argv, message):

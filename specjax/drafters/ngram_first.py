@@ -13,6 +13,10 @@ reads each row's pending draft length (a row without a match counts as the
 full K) and verifies only as wide as the longest draft needs, as for n-gram
 alone. The learned drafter drafts only in steps where some row has no match;
 in the others it only catches up with what was committed (`advance`).
+`fallback_depth` caps the learned drafter's chain below K (0: K): where a
+verify of K + 1 tokens costs more steps of plain decoding than a weak head's
+chain emits, rows without a match verify a shorter chain while looked-up rows
+keep the full K.
 
 Drafts from the lookup are deterministic: when the learned drafter gives q
 for rejection sampling, a looked-up row's q is one-hot at its drafts, for
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.drafters.ngram import NgramDrafter, NgramOptions
-from specjax.drafters.registry import DrafterFamily
+from specjax.drafters.registry import DrafterFamily, option
 from specjax.errors import SpecjaxError
 
 
@@ -39,6 +43,7 @@ class NgramFirstDrafter(Drafter):
 
   lookup: NgramDrafter = None
   fallback: Drafter = None
+  fallback_depth: int = 0  # the learned drafter's chain length (0: the step's K)
   drafts_ahead: bool = True
 
   @property
@@ -80,17 +85,23 @@ class NgramFirstDrafter(Drafter):
   def start(self, params, state, ctx: DraftContext):
     return self.lookup.start((), state[0], ctx), self.fallback.start(params, state[1], ctx)
 
+  def _fallback_k(self, k: int) -> int:
+    return min(self.fallback_depth or k, k)
+
   def pending_lens(self, state) -> jax.Array:
     found = self.lookup.pending_lens(state[0])
-    return jnp.where(found > 0, found, state[0].drafts.shape[1])  # no match: the fallback drafts the full K
+    return jnp.where(found > 0, found, self._fallback_k(state[0].drafts.shape[1]))  # no match: the fallback's chain
 
   def propose(self, target, params, state, cache, ctx: DraftContext, k: int, sampling) -> Proposal:
     found = self.lookup.propose(target, (), state[0], cache, ctx, k, sampling)
     use = found.draft_lens > 0  # [B]
+    pad = k - self._fallback_k(k)
 
     def drafted():
-      prop = self.fallback.propose(target, params, state[1], cache, ctx, k, sampling)
-      return prop.drafts, prop.draft_lens, prop.q, prop.state, prop.cache
+      prop = self.fallback.propose(target, params, state[1], cache, ctx, k - pad, sampling)
+      drafts = jnp.pad(prop.drafts, ((0, 0), (0, pad)))  # [B, K]
+      q = None if prop.q is None else jnp.pad(prop.q, ((0, 0), (0, pad), (0, 0)))  # [B, K, V]
+      return drafts, prop.draft_lens, q, prop.state, prop.cache
 
     def caught_up():  # every active row has a match: the fallback only takes in what was committed
       drafts, draft_lens, q, _, _ = jax.eval_shape(drafted)
@@ -112,11 +123,25 @@ class NgramFirstDrafter(Drafter):
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class FallbackOptions:
+  fallback_depth: int = option(
+      0,
+      '--fallback-depth',
+      type=int,
+      help='ngram+<family>: the learned drafter drafts at most this many tokens where the lookup finds nothing '
+      '(0: the step depth K)',
+  )
+
+
 def ngram_first_family(fallback: DrafterFamily) -> DrafterFamily:
-  """The family `ngram+<fallback>`: the n-gram options beside the fallback's."""
+  """The family `ngram+<fallback>`: the n-gram options and `--fallback-depth` beside the fallback's."""
 
   def validate(self) -> None:
     NgramOptions.validate(self)
+    cap = min(NgramDrafter.max_depth, fallback.max_depth(self))
+    if not 0 <= self.fallback_depth <= cap:
+      raise SpecjaxError(f'--fallback-depth must be in 0..{cap} (0: the step depth), got {self.fallback_depth}')
     if hasattr(fallback.options, 'validate'):
       fallback.options.validate(self)
     if getattr(self, 'tree_tokens', 0) or getattr(self, 'tree_parents', None) is not None:
@@ -126,7 +151,7 @@ def ngram_first_family(fallback: DrafterFamily) -> DrafterFamily:
       f'Ngram{fallback.options.__name__}',
       [
           (f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-          for f in dataclasses.fields(NgramOptions)
+          for f in dataclasses.fields(NgramOptions) + dataclasses.fields(FallbackOptions)
       ],
       bases=(fallback.options,),
       namespace={'validate': validate},
@@ -135,7 +160,8 @@ def ngram_first_family(fallback: DrafterFamily) -> DrafterFamily:
   )
 
   def build(target, o) -> NgramFirstDrafter:
-    return NgramFirstDrafter(NgramDrafter(n_min=o.ngram_min, n_max=o.ngram_max), fallback.build(target, o))
+    lookup = NgramDrafter(n_min=o.ngram_min, n_max=o.ngram_max)
+    return NgramFirstDrafter(lookup, fallback.build(target, o), fallback_depth=o.fallback_depth)
 
   return DrafterFamily(
       name=f'ngram+{fallback.name}',
@@ -146,6 +172,7 @@ def ngram_first_family(fallback: DrafterFamily) -> DrafterFamily:
       default_depth=fallback.default_depth,
       max_depth=lambda o: min(NgramDrafter.max_depth, fallback.max_depth(o)),
       target_heads=fallback.heads_for,
-      label=lambda o: f'ngram({o.ngram_min}..{o.ngram_max})+{fallback.describe(o)}',
+      label=lambda o: f'ngram({o.ngram_min}..{o.ngram_max})+{fallback.describe(o)}'
+      + (f'(k<={o.fallback_depth})' if o.fallback_depth else ''),
       help=f'n-gram prompt lookup where the last n >= --ngram-min tokens occurred before, else {fallback.name}',
   )
