@@ -2,8 +2,10 @@
 
 Over the target's own answers (a `data.regenerate` cache file), every `--stride`-th answer position a is an
 anchor: its block `[x_a, MASK x (B - 1)]` sees the context features before a, and row k's draft is compared
-with the target's argmax at a + k - 1. Three readings: the draft as trained; the context features of another record (the taps of
-a record's tokens shuffled); the context zeroed. A draft that ignores its context scores the same in all three.
+with the target's argmax at a + k - 1. Four readings: the draft as trained; the context features of another record (the taps of
+a record's tokens shuffled); the context zeroed; and the block's first token x_a swapped for another of the
+record's tokens, the context kept. A draft that ignores its context scores the same in the first three; one that
+ignores x_a, the same in the first and the last.
 Also printed: the draft's and the target's final-norm weights and logit scales (the draft reads the target's
 head through its own final norm), and how alike the context features of a record's positions are (mean pairwise
 cosine: near 1, every position offers the same keys and values).
@@ -55,8 +57,15 @@ def main():
     _, other = target_features(model, {**batch, 'tokens': shuffled}, trainer.taps)
     best = jnp.argmax(model.logits(hidden), -1)[0]  # [T]
     reads, scales = {}, {}
-    for name, context in (('draft', taps), ('other context', other), ('context zeroed', [0 * x for x in taps])):
-      out = trainer.blocks(params, model, batch, tuple(context), anchors)[0, :, 1:]  # [A, B - 1, D]
+    swapped = {**batch, 'tokens': batch['tokens'].at[0, anchors[0]].set(shuffled[0, anchors[0]])}
+    readings = (
+        ('draft', taps, batch),
+        ('other context', other, batch),
+        ('context zeroed', [0 * x for x in taps], batch),
+        ('anchor token swapped', taps, swapped),  # the block's x_a from another position, the context kept
+    )
+    for name, context, block_batch in readings:
+      out = trainer.blocks(params, model, block_batch, tuple(context), anchors)[0, :, 1:]  # [A, B - 1, D]
       logits = model.logits(out)
       reads[name] = jnp.argmax(logits, -1)
       scales[name] = jnp.std(logits, -1).mean()
