@@ -187,6 +187,30 @@ def test_loss_is_the_weighted_soft_ce(model, data):
   np.testing.assert_allclose(loss, num / den, rtol=1e-5)
 
 
+def test_context_dropout_blinds_training_blocks_only(model, data):
+  """A blind block's rows do not depend on the context; with a step key some blocks go blind (p = 0.5), and the
+  eval (key None) scores every block with its context, as without the option."""
+  from specjax.train.dflash import sample_anchors
+  from specjax.train.losses import target_features
+
+  plain = trainer_for(model, data)
+  dropping = dataclasses.replace(plain, context_dropout=0.5)
+  params, target, batch = plain.init(jax.random.key(1)), model.module(), packed_row()
+  _, taps = target_features(target, batch, plain.taps)
+  anchors, _ = sample_anchors(jax.random.key(5), batch, plain.anchors)
+  blind = jnp.ones(anchors.shape, bool)
+  other = tuple(jax.random.normal(jax.random.key(i), t.shape) for i, t in enumerate(taps))
+  seeing = plain.blocks(params, target, batch, taps, anchors)
+  np.testing.assert_array_equal(
+      plain.blocks(params, target, batch, taps, anchors, blind),
+      plain.blocks(params, target, batch, other, anchors, blind),
+  )
+  assert not np.allclose(plain.blocks(params, target, batch, taps, anchors, blind), seeing)
+  loss = lambda trainer, key: jax.jit(lambda p, b: trainer.loss(p, target, b, key))(params, batch)[0]
+  assert loss(dropping, None) == loss(plain, None)
+  assert loss(dropping, jax.random.key(5)) != loss(plain, jax.random.key(5))
+
+
 @pytest.fixture(scope='module')
 def trained(data, tmp_path_factory):
   from specjax.train import run_training
@@ -258,6 +282,7 @@ def test_cached_target_features_train_the_same(data, tmp_path):
         ),
         (['drafter.target_layer_ids=[1,5]'], r'target_layer_ids \[1, 5\] must be in 0..4'),
         (['drafter.tap_scale=True', "drafter.init_from='x'"], 'cannot rescale a drafter.init_from'),
+        (['drafter.context_dropout=1.0'], r'context_dropout\' must be in \[0, 1\)'),
     ],
 )
 def test_bad_config_is_one_error_line(data, tmp_path, capsys, overrides, message):

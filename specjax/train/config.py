@@ -35,6 +35,7 @@ def base_config() -> ml_collections.ConfigDict:
               'draft_vocab_size': 32000,  # eagle3: top-N target tokens of the training data
               'block_size': 16,  # dflash: rows of a block (the anchor and block_size - 1 masks)
               'anchors': 512,  # dflash: blocks per packed row (random anchors, SpecForge's 512)
+              'context_dropout': 0.0,  # dflash: share of training blocks that see no context (their x_a only)
               'mask_token_id': None,  # dflash: None: the tokenizer's mask token, a spare embedding row, pad or unk
               'target_layer_ids': [],  # taps (eagle3, dflash); empty: the family's default
               'head_from_target': False,  # start from the target's final norm (eagle3: and head, draft vocab columns)
@@ -206,6 +207,10 @@ def _check_ranges(v: dict) -> None:
     normed = [k for k in ('drafter.norm_before_fc', 'drafter.fc_norm') if v['drafter.kind'] == 'eagle3' and v[k]]
     if normed:
       raise SpecjaxError(f"config key 'drafter.tap_scale' needs fc on the raw taps; {normed[0]} normalises them first")
+  if not 0 <= v['drafter.context_dropout'] < 1:
+    raise SpecjaxError(f"config key 'drafter.context_dropout' must be in [0, 1), got {v['drafter.context_dropout']}")
+  if v['drafter.context_dropout'] and v['drafter.kind'] != 'dflash':
+    raise SpecjaxError(f"config key 'drafter.context_dropout' applies to dflash, not {v['drafter.kind']}")
   if v['drafter.block_size'] < 2:
     raise SpecjaxError(f"config key 'drafter.block_size' must be at least 2 (one draft), got {v['drafter.block_size']}")
   if not v['train.dflash_gamma'] > 0:

@@ -23,7 +23,11 @@ x_{a+k} is in a's sequence and learned; row k weighs exp(-(k - 1) / gamma)
 target. `drafter.head_from_target` starts the draft's final norm as the
 target's (Gemma's weights reach ~300; a draft whose norm starts at 1 reads
 the target's head in another geometry; on Gemma 3 270M it trained worse,
-experiments/train_dflash_gemma3_270m). Export: `save_dflash` (z-lab /
+experiments/train_dflash_gemma3_270m). `drafter.context_dropout` p hides
+the context from a share p of the training blocks (not at eval): a draft
+that has learned to read only the context (on Gemma 3 270M its block rows
+put ~0.1% of their attention on x_a) must predict those from x_a and the
+block alone. Export: `save_dflash` (z-lab /
 SpecForge layout), served by `--drafter dflash --draft-model OUT/export`. DFlash 1 only: DFlash 2's
 convolutions and candidate selector are not trained.
 
@@ -102,6 +106,7 @@ class DFlashTrainer(DrafterTrainer):
   gamma: float = 7.0
   chunk: int = 256
   norm_from_target: bool = False  # drafter.head_from_target
+  context_dropout: float = 0.0  # drafter.context_dropout: share of training blocks without context
   kind: str = 'dflash'
 
   def init(self, key) -> nnx.State:
@@ -112,12 +117,17 @@ class DFlashTrainer(DrafterTrainer):
       draft.norm.scale[...] = final_norm_weight(nnx.merge(self.target.graphdef, self.target.params))
     return nnx.split(draft)[1]
 
-  def visibility(self, batch: dict, anchors: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-    """Per draft layer: (context keys [R, A, B or 1, T], block rows [B, C]) each block row sees."""
+  def visibility(self, batch: dict, anchors: jax.Array, blind=None) -> list[tuple[jax.Array, jax.Array]]:
+    """Per draft layer: (context keys [R, A, B or 1, T], block rows [B, C]) each block row sees.
+
+    `blind` [R, A]: blocks that see no context (`context_dropout`), only their own rows.
+    """
     segments, positions = batch['segments'], batch['positions']
     b, t = self.cfg.block_size, segments.shape[1]
     start = jnp.take_along_axis(positions, anchors, axis=1)  # [R, A]
     own = jnp.take_along_axis(segments, anchors, axis=1)[..., None] == segments[:, None]
+    if blind is not None:
+      own = own & ~blind[..., None]
     before = (own & (jnp.arange(t) < anchors[..., None]))[:, :, None]  # [R, A, 1, T]
     rows, out = jnp.arange(b), []
     for window, causal in zip(self.cfg.windows, self.cfg.causal):
@@ -131,7 +141,7 @@ class DFlashTrainer(DrafterTrainer):
       out.append((context, block))
     return out
 
-  def blocks(self, params, target, batch: dict, taps: tuple[jax.Array, ...], anchors: jax.Array) -> jax.Array:
+  def blocks(self, params, target, batch: dict, taps: tuple[jax.Array, ...], anchors: jax.Array, blind=None):
     """norm(out) [R, A, B, D] of the block of each anchor (row indices [R, A]), over the rows' taps."""
     draft = nnx.merge(self.graphdef, params)
     b, (r, a) = self.cfg.block_size, anchors.shape
@@ -141,7 +151,7 @@ class DFlashTrainer(DrafterTrainer):
     x = target.embed(tokens.reshape(r, a * b)).astype(jnp.float32)  # [R, A * B, D]
     start = jnp.take_along_axis(batch['positions'], anchors, axis=1)
     positions = (start[..., None] + jnp.arange(b)).reshape(r, a * b)
-    for layer, seen in zip(draft.layers, self.visibility(batch, anchors)):
+    for layer, seen in zip(draft.layers, self.visibility(batch, anchors, blind)):
       context = layer.mixer.project_kv(ctx, batch['positions'])
       mix = lambda attn, y, context=context, seen=seen: (block_attention(attn, y, positions, context, seen), None)
       x, _ = layer(x, mix)
@@ -151,8 +161,11 @@ class DFlashTrainer(DrafterTrainer):
     hidden, taps = from_batch(batch, len(self.taps)) or target_features(target, batch, self.taps)
     segments, loss_mask = batch['segments'], batch['loss_mask']
     t = segments.shape[1]
-    anchors, keep = sample_anchors(key, batch, self.anchors)
-    out = self.blocks(params, target, batch, taps, anchors)
+    anchors, keep = sample_anchors(jax.random.key(0) if key is None else key, batch, self.anchors)  # eval: one draw
+    blind = None
+    if self.context_dropout and key is not None:
+      blind = jax.random.bernoulli(jax.random.fold_in(key, 1), self.context_dropout, anchors.shape)  # [R, A]
+    out = self.blocks(params, target, batch, taps, anchors, blind)
     own = jnp.take_along_axis(segments, anchors, axis=1)
     ks = jnp.arange(1, self.cfg.block_size)  # [B - 1] row k drafts x_{a+k}, the target's next token at a + k - 1
     at = jnp.minimum(anchors[None] + ks[:, None, None], t - 1)  # [B - 1, R, A]
@@ -257,5 +270,6 @@ def make(config, target, data) -> DFlashTrainer:
       gamma=config['train.dflash_gamma'],
       chunk=config['train.loss_chunk'],
       norm_from_target=config['drafter.head_from_target'],
+      context_dropout=config['drafter.context_dropout'],
       start=start,
   )

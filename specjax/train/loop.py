@@ -273,7 +273,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
     return {**state, 'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
 
   step_fn = jax.jit(train_step, donate_argnums=(0,), out_shardings=(replicated, replicated))
-  eval_fn = jax.jit(lambda p, tp, batch: loss_fn(p, tp, batch, jax.random.key(0))[1], out_shardings=replicated)
+  eval_fn = jax.jit(lambda p, tp, batch: loss_fn(p, tp, batch, None)[1], out_shardings=replicated)
 
   def device_batch(rows: dict) -> dict:
     return {k: jax.make_array_from_callback(v.shape, split, lambda idx, v=v: v[idx]) for k, v in rows.items()}

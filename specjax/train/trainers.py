@@ -1,7 +1,8 @@
 """What a drafter family supplies to `specjax train`: the `DrafterTrainer` interface and its registry.
 
   init(key)                                   -> params (an nnx.State of the drafter's weights)
-  loss(params, target, batch, key)            -> (loss, metrics)      (jitted; target: the merged frozen module)
+  loss(params, target, batch, key)            -> (loss, metrics)      (jitted; target: the merged frozen module;
+                                                                       key: None when evaluating)
   export(params, path)                        -> writes the family's upstream layout
   load(path)                                  -> params               (the export read back, for tests)
 
