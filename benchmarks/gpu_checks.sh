@@ -11,7 +11,9 @@
 #    random weights, bf16: the device has no network for the demo package), and the
 #    tree / EAGLE-3 tests on the GPU;
 # 5. the Gemma 4, assistant and DFlash 1 / 2 tests on the GPU (the Triton kernel with head dims 16 / 32, Gemma 4's
-#    per-type head dims) and benchmarks/draft_cost.py at the full 262144 vocabulary.
+#    per-type head dims) and benchmarks/draft_cost.py at the full 262144 vocabulary;
+# 6. benchmarks/train_step.py: training tokens/s of `specjax train`'s step (EAGLE-3, DFlash, MTP; the target in
+#    the step and cached) on Gemma 3 270M's shapes, bf16 target, at the CPU configs' batch (8 x 512) and at 64 x 512.
 set -uo pipefail
 out=${1:-gpu_checks_out}
 mkdir -p "$out"
@@ -32,3 +34,7 @@ $py benchmarks/tree_step.py --model random --rounds 3 --json "$out/tree_step.jso
 $py -m pytest -q -p no:cacheprovider tests/test_gemma4.py tests/test_gemma4_assistant.py tests/test_dflash.py \
     tests/test_dflash2.py 2>&1 | tee "$out/drafter_tests.log"
 $py benchmarks/draft_cost.py --vocab 262144 --rounds 3 --json "$out/draft_cost.json" 2>&1 | tee "$out/draft_cost.log"
+$py benchmarks/train_step.py --model random --batch 8 --len 512 --json "$out/train_step_b8.json" 2>&1 |
+    tee "$out/train_step.log"
+$py benchmarks/train_step.py --model random --batch 64 --len 512 --json "$out/train_step_b64.json" 2>&1 |
+    tee -a "$out/train_step.log"

@@ -40,7 +40,7 @@ from specjax.train.eagle3 import head_config
 PROMPT = 'Write a short story about a robot who learns to paint. Once upon a time,'
 
 
-def gemma3_270m_random():
+def gemma3_270m_random(dtype: str | None = None):
   """Gemma 3 270M's shapes (its GGUF's config) with random weights, and the tiny Gemma 3 fixture's tokenizer."""
   from draft_cost import FIXTURES, random_target  # pylint: disable=g-import-not-at-top
 
@@ -59,7 +59,7 @@ def gemma3_270m_random():
       layer_types=['full_attention' if (i + 1) % 6 == 0 else 'sliding_attention' for i in range(18)],
   )
   tokenizer = specjax.load(str(FIXTURES / 'tiny_gemma3')).tokenizer
-  return random_target(hf, tokenizer, resolve_dtype(None))
+  return random_target(hf, tokenizer, resolve_dtype(dtype))
 
 
 def random_head(model, draft_vocab: int = 16000) -> Eagle3Checkpoint:

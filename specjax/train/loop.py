@@ -149,6 +149,44 @@ def _optimizer(cfg: TrainConfig):
   return tx, schedule
 
 
+def first_state(trainer, tx, seed: int) -> dict:
+  """Step 0's training state: params (`first_params`), optimizer state, step, RNG key data."""
+  key = jax.random.key(seed)
+  params = first_params(trainer, jax.random.fold_in(key, 0))
+  return {
+      'params': params,
+      'opt_state': tx.init(params),
+      'step': jnp.zeros((), jnp.int32),
+      'rng': jax.random.key_data(key),
+  }
+
+
+def make_steps(trainer, graphdef, tx, replicated):
+  """(train step, eval step), jitted: what `run_training` runs, for benchmarks to time.
+
+  train step: (state, target params, batch) -> (state, metrics), the state
+  (params, opt_state, step, rng) donated; eval step: (params, target params,
+  batch) -> metrics, no RNG (fixed anchors, no dropout).
+  """
+  import optax
+  from flax import nnx
+
+  def loss_fn(params, tparams, batch, step_key):
+    return trainer.loss(params, nnx.merge(graphdef, tparams), batch, step_key)
+
+  def train_step(state, tparams, batch):
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state['rng']), state['step'] + 1)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'], tparams, batch, step_key)
+    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+    params = optax.apply_updates(state['params'], updates)
+    metrics = {**metrics, 'loss': loss, 'grad_norm': optax.tree.norm(grads)}
+    return {**state, 'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
+
+  step_fn = jax.jit(train_step, donate_argnums=(0,), out_shardings=(replicated, replicated))
+  eval_fn = jax.jit(lambda p, tp, batch: loss_fn(p, tp, batch, None)[1], out_shardings=replicated)
+  return step_fn, eval_fn
+
+
 def _check_out(out: str, cfg: TrainConfig) -> dict | None:
   """The manifest of an earlier run of this config in `out` (None: a new run); another config's is refused."""
   if os.path.exists(out) and not os.path.isdir(out):
@@ -242,14 +280,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   artifacts.write_json(os.path.join(out, artifacts.MANIFEST), manifest)
 
   tx, schedule = _optimizer(cfg)
-  key = jax.random.key(cfg['train.seed'])
-  params = first_params(trainer, jax.random.fold_in(key, 0))
-  state = {
-      'params': params,
-      'opt_state': tx.init(params),
-      'step': jnp.zeros((), jnp.int32),
-      'rng': jax.random.key_data(key),
-  }
+  state = first_state(trainer, tx, cfg['train.seed'])
   ckpt = _Checkpoints(os.path.join(out, CHECKPOINTS), cfg['train.keep'])
   start = ckpt.latest() or 0
   if start:
@@ -257,23 +288,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   start = int(state['step'])
   state = jax.device_put(state, replicated)
   target_params = jax.device_put(target.params, replicated)
-  graphdef = target.graphdef
-
-  def loss_fn(params, tparams, batch, step_key):
-    from flax import nnx
-
-    return trainer.loss(params, nnx.merge(graphdef, tparams), batch, step_key)
-
-  def train_step(state, tparams, batch):
-    step_key = jax.random.fold_in(jax.random.wrap_key_data(state['rng']), state['step'] + 1)
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'], tparams, batch, step_key)
-    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
-    params = optax.apply_updates(state['params'], updates)
-    metrics = {**metrics, 'loss': loss, 'grad_norm': optax.tree.norm(grads)}
-    return {**state, 'params': params, 'opt_state': opt_state, 'step': state['step'] + 1}, metrics
-
-  step_fn = jax.jit(train_step, donate_argnums=(0,), out_shardings=(replicated, replicated))
-  eval_fn = jax.jit(lambda p, tp, batch: loss_fn(p, tp, batch, None)[1], out_shardings=replicated)
+  step_fn, eval_fn = make_steps(trainer, target.graphdef, tx, replicated)
 
   def device_batch(rows: dict) -> dict:
     return {k: jax.make_array_from_callback(v.shape, split, lambda idx, v=v: v[idx]) for k, v in rows.items()}
