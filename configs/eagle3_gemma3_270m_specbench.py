@@ -9,7 +9,7 @@ interleaved prompt by prompt. n-gram, DFlash and the 32-node tree are in
 configs/trained_drafters_gemma3_270m_specbench.py. The head is the export of
 configs/train_eagle3_gemma3_270m.py:
 
-  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m
+  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m train.steps=120
   specjax sweep configs/eagle3_gemma3_270m_specbench.py --out experiments/train_eagle3_gemma3_270m/specbench_budget
 """
 

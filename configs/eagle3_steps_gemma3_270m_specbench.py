@@ -1,15 +1,14 @@
 """Twice the training steps: the EAGLE-3 head after 120 steps (one pass) against 240 (two), on Spec-Bench.
 
-The two heads are configs/train_eagle3_gemma3_270m.py run to the end of a 120-step and of a 240-step schedule
-(`train.steps=240 train.cache_target=True`: the target's features of the 956 rows computed once, a second pass
-reads them). Cells at K = 5: n-gram alone (1..3); each head as a chain; the 240-step head as a 5-node tree
+The two heads are configs/train_eagle3_gemma3_270m.py run to the end of a 120-step and of its default 240-step
+schedule (the target's features of the 956 rows computed once, `train.cache_target`, a second pass reads them).
+Cells at K = 5: n-gram alone (1..3); each head as a chain; the 240-step head as a 5-node tree
 (top-4 expansion) and beside n-gram (`ngram+eagle3`, the head at 1 and at 5 where the lookup finds nothing).
 Every category (the first prompt of each, first turn), 64 new tokens, greedy, batch 1, each prompt also decoded
 autoregressively, cells interleaved prompt by prompt:
 
-  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m
-  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m_240 \\
-      train.steps=240 train.cache_target=True
+  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m train.steps=120
+  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m_240
   specjax sweep configs/eagle3_steps_gemma3_270m_specbench.py \\
       --out experiments/train_eagle3_gemma3_270m/specbench_steps
 """

@@ -7,7 +7,7 @@ without a match verify N + 1 positions (rounded up to the verify widths 2, 4, 6)
 `ngram+eagle3` with the head at 5 (the full K), 3, 2 and 1. Every category (the first prompt of each, first turn),
 64 new tokens, greedy, batch 1, each prompt also decoded autoregressively, cells interleaved prompt by prompt:
 
-  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m
+  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m train.steps=120
   specjax sweep configs/ngram_first_depth_gemma3_270m_specbench.py \\
       --out experiments/train_eagle3_gemma3_270m/specbench_fallback_depth
 """

@@ -7,7 +7,7 @@ first turn), 64 new tokens, greedy, batch 1; every prompt is also decoded autore
 baseline, and cells run interleaved prompt by prompt. The head is the export of
 configs/train_eagle3_gemma3_270m.py:
 
-  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m
+  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m train.steps=120
   specjax sweep configs/ngram_first_gemma3_270m_specbench.py --out experiments/train_eagle3_gemma3_270m/specbench_ngram_first
 """
 

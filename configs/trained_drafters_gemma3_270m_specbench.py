@@ -5,7 +5,7 @@ n-gram prompt lookup, the EAGLE-3 chain, an EAGLE-2 dynamic tree of 32 nodes (to
 block (block 8: the first 5 of its 7 drafts are verified). Every prompt is also decoded autoregressively, the
 speedups' baseline; cells run interleaved prompt by prompt. The drafters are the exports of
 
-  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m
+  specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m train.steps=120
   specjax train configs/train_dflash_gemma3_270m.py --out runs/train_dflash_gemma3_270m
   specjax sweep configs/trained_drafters_gemma3_270m_specbench.py --out experiments/train_dflash_gemma3_270m/specbench
 

@@ -10,6 +10,7 @@ from specjax import cli
 from specjax.errors import SpecjaxError
 from specjax.sweep import base_config, expand, resolve, run_sweep
 from specjax.sweep import artifacts
+from specjax.sweep.runner import setting_labels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(ROOT, 'configs', 'sweep_tiny.py')
@@ -88,6 +89,24 @@ def test_category_axis_and_partial_config():
   cells = expand(resolve(config))
   assert [c.config['prompts.categories'] for c in cells] == [['qa'], ['coding']]
   assert len(expand(resolve({'max_new_tokens': 8}))) == 1  # a partial dict keeps the defaults, no grid: one cell
+
+
+def test_settings_apart_where_the_drafter_label_is_silent():
+  config = base_config()
+  config.grid.drafter = [
+      {'kind': 'eagle3', 'draft_model': 'runs/a/export'},
+      {'kind': 'eagle3', 'draft_model': 'runs/b/export'},
+      {'kind': 'eagle3', 'draft_model': 'runs/b/export', 'tree_topk': 4, 'tree_tokens': 5},
+      {'kind': 'ngram'},
+  ]
+  cells = expand(resolve(config))
+  labels = [setting_labels(cells)[c.id] for c in cells]  # two checkpoints of one family are two settings
+  assert labels == [
+      'eagle3 draft_model=runs/a/export',
+      'eagle3 draft_model=runs/b/export',
+      'eagle3-tree(4x5)',
+      'ngram(1..3)',
+  ]
 
 
 @pytest.mark.parametrize(

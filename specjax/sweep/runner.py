@@ -10,6 +10,7 @@ sampling, budget): that baseline is shared by every cell that needs it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import sys
@@ -97,6 +98,35 @@ def setting_label(cell: Cell) -> str:
         f'{name}={value}' if not isinstance(value, dict) else f'{name}={{{",".join(map(str, value.values()))}}}'
     )
   return ' '.join(parts)
+
+
+def setting_labels(cells: list[Cell]) -> dict[str, str]:
+  """{cell id: `setting_label`}, with the drafter options that tell apart cells the label alone would pool.
+
+  Two cells whose drafters differ only where the family's label is silent (two
+  `draft_model` checkpoints of one family, say) would share a setting, and their
+  acceptance, τ and speed would be pooled into one group: each gets the
+  options that differ within the group, `name=value`, appended.
+  """
+  by_label: dict[str, list[Cell]] = collections.defaultdict(list)
+  for cell in cells:
+    by_label[setting_label(cell)].append(cell)
+  labels = {}
+  for label, group in by_label.items():
+    keys = {cell.id: drafter_key(cell) for cell in group}
+    for cell in group:
+      labels[cell.id] = label
+    if len(set(keys.values())) < 2:
+      continue
+    for cell in group:
+      key, names = keys[cell.id], ('kind',) + tuple(f.name for f in dataclasses.fields(_family(cell).options))
+      differ = [
+          f'{name}={key[i]}'
+          for i, name in enumerate(names)
+          if any(len(other) != len(key) or other[i] != key[i] for other in keys.values())
+      ]
+      labels[cell.id] = ' '.join([label] + differ)
+  return labels
 
 
 def _check_cell(cell: Cell) -> None:
@@ -309,6 +339,7 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   prompts_path = spec_bench_path(sweep.base['prompts.path'])
   prompts_sha = artifacts.file_sha256(prompts_path)
   manifest = artifacts.check_out_dir(out_dir, sweep.hash, prompts_sha)
+  settings = setting_labels(cells)
   bench = _Workbench(cells, cell_policies)
   bench.build(cells)
   os.makedirs(out_dir, exist_ok=True)
@@ -375,7 +406,7 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
               'values': cell.values,
               'label': cell.label,
               'drafter': drafter_label(cell),
-              'setting': setting_label(cell),
+              'setting': settings[cell.id],
               'policy': policy_label(cell),
               'policy_name': cell.config['policy.name'],
               'policy_k': cell.config['policy.k'],
@@ -393,7 +424,11 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   manifest['finished'] = run_info['finished'] = artifacts.now()
   run_info.update({'cells_run': len(pending), 'cells_skipped': len(cells) - len(pending)})
   artifacts.write_json(os.path.join(out_dir, artifacts.MANIFEST), manifest)
-  analysis = analytics.analyze(artifacts.read_results(out_dir))
+  records = artifacts.read_results(out_dir)
+  for r in records:  # labels of this code, also for cells an earlier run marked
+    if r['type'] == 'cell' and r['cell'] in settings:
+      r['setting'] = settings[r['cell']]
+  analysis = analytics.analyze(records)
   written = plots_lib.write_plots(analysis, out_dir) if make_plots else []
   with open(os.path.join(out_dir, artifacts.SUMMARY), 'w', encoding='utf-8') as f:
     f.write(artifacts.format_summary(analysis, manifest, written))
