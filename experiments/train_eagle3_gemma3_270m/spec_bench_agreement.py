@@ -30,22 +30,9 @@ import specjax
 from specjax.bench import load_prompts
 from specjax.train import data as data_lib
 from specjax.train.config import resolve
-from specjax.train.loop import _optimizer, expected_tau, first_state, load_data, make_steps
+from specjax.train.loop import _optimizer, agreement, expected_tau, first_state, load_data, make_steps
 from specjax.train.regenerate import regenerate
 from specjax.train.trainers import make_trainer
-
-
-def agreement(trainer, eval_fn, params, tparams, rows: data_lib.Packed, batch_size: int, split) -> dict:
-  """Per-position agreement and expected τ of `params` over `rows` (the training eval's reduction)."""
-  agree = np.zeros(trainer.positions)
-  count = np.zeros(trainer.positions)
-  for at in range(0, len(rows), batch_size):
-    idx = np.arange(at, min(at + batch_size, len(rows)))
-    batch = {k: np.pad(v, [(0, batch_size - len(idx))] + [(0, 0)] * (v.ndim - 1)) for k, v in rows.take(idx).items()}
-    m = jax.device_get(eval_fn(params, tparams, jax.device_put(batch, split)))
-    agree += m['agree']
-    count += m['count']
-  return {'agree': agree / np.maximum(count, 1), 'count': count, 'tau': expected_tau(agree, count)}
 
 
 def main():
@@ -73,8 +60,7 @@ def main():
   for p, ex in zip(prompts, examples):
     by_category[p.category].append(ex)
   length = max(len(ex.ids) for ex in examples)
-  sets = {'held-out': held_out, 'spec-bench': data_lib.pack(examples, length, pack=False)}
-  sets.update({c: data_lib.pack(exs, length, pack=False) for c, exs in sorted(by_category.items())})
+  sets = {'held-out': held_out, **{c: data_lib.pack(exs, length, pack=False) for c, exs in sorted(by_category.items())}}
 
   mesh = Mesh(np.asarray(jax.devices()), ('data',))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))
@@ -82,17 +68,22 @@ def main():
   b = base['train.batch_size']
   print(f'| rows | {" | ".join(args.exports)} |')
   print('|---' * (len(args.exports) + 1) + '|')
-  results = {name: [] for name in sets}
+  put = lambda batch: jax.device_put(batch, split)
+  results = {name: [] for name in ['held-out', 'spec-bench', *sorted(by_category)]}
   for export in args.exports:
     cfg = resolve(base, [f'drafter.init_from={export!r}', 'drafter.tap_scale=False'])
     trainer = make_trainer(cfg, target, None)
     tx, _ = _optimizer(cfg)
     _, eval_fn = make_steps(trainer, target.graphdef, tx, replicated)
     params = jax.device_put(first_state(trainer, tx, 0)['params'], replicated)
-    for name, rows in sets.items():
-      results[name].append(agreement(trainer, eval_fn, params, tparams, rows, b, split))
+    sums = {
+        name: agreement(eval_fn, params, tparams, rows, b, put, None, trainer.positions) for name, rows in sets.items()
+    }
+    sums['spec-bench'] = tuple(sum(sums[c][i] for c in by_category) for i in (0, 1))  # every category's rows
+    for name, (agree, count) in sums.items():
+      results[name].append((agree / np.maximum(count, 1), count, expected_tau(agree, count)))
   for name, rs in results.items():
-    cells = [f"τ {r['tau']:.2f}, a {' '.join(f'{a:.2f}' for a in r['agree'])} ({int(r['count'][0])})" for r in rs]
+    cells = [f"τ {tau:.2f}, a {' '.join(f'{x:.2f}' for x in a)} ({int(count[0])})" for a, count, tau in rs]
     print(f'| {name} | {" | ".join(cells)} |')
 
 

@@ -47,6 +47,25 @@ def expected_tau(agree: np.ndarray, count: np.ndarray) -> float:
   return float(1.0 + np.cumprod(a).sum())
 
 
+def agreement(
+    eval_fn, params, target_params, rows: data_lib.Packed, batch_size: int, put, features=None, positions: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+  """Per-position (agreements, predictions) [positions] of `eval_fn` summed over `rows`.
+
+  Batches of `batch_size` rows (the last padded: padding rows count nothing),
+  with the rows' cached target `features` when given, placed by `put`.
+  """
+  agree, count = np.zeros(positions), np.zeros(positions)
+  for at in range(0, len(rows), batch_size):
+    idx = np.arange(at, min(at + batch_size, len(rows)))
+    batch = {**rows.take(idx), **(features.take(idx) if features else {})}
+    batch = {k: np.pad(v, [(0, batch_size - len(idx))] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
+    m = jax.device_get(eval_fn(params, target_params, put(batch)))
+    agree += m['agree']
+    count += m['count']
+  return agree, count
+
+
 def load_data(cfg: TrainConfig, target, *, progress: bool = True) -> tuple[data_lib.Packed, data_lib.Packed | None]:
   """(training rows, eval rows or None): records read, formatted (or regenerated), packed."""
   d = cfg.section('data')
@@ -294,16 +313,9 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
     return {k: jax.make_array_from_callback(v.shape, split, lambda idx, v=v: v[idx]) for k, v in rows.items()}
 
   def evaluate() -> dict:
-    agree = np.zeros(trainer.positions)
-    count = np.zeros(trainer.positions)
-    for at in range(0, len(eval_rows), b):
-      idx = np.arange(at, min(at + b, len(eval_rows)))
-      rows = {**eval_rows.take(idx), **(eval_features.take(idx) if eval_features else {})}
-      pad = lambda v: np.pad(v, [(0, b - v.shape[0])] + [(0, 0)] * (v.ndim - 1))
-      rows = {k: pad(v) for k, v in rows.items()}  # padding rows count nothing
-      m = jax.device_get(eval_fn(state['params'], target_params, device_batch(rows)))
-      agree += m['agree']
-      count += m['count']
+    agree, count = agreement(
+        eval_fn, state['params'], target_params, eval_rows, b, device_batch, eval_features, trainer.positions
+    )
     return {
         'agree': (agree / np.maximum(count, 1)).tolist(),
         'count': count.tolist(),
