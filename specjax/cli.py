@@ -2,8 +2,13 @@
 
 specjax generate -m MODEL --prompt TEXT [--prompt-file F [--prompts-per-line]] [--max-new-tokens N]
                  [--temperature T --top-k K --top-p P --min-p M --seed S] [--json]
+specjax run -m TARGET [--drafter FAMILY | --mtp] [--draft-model PATH] [--n-predict K] [generate's flags]
+specjax bench -m TARGET [--drafter FAMILY | --mtp] [--prompts FILE.jsonl] [--depths K ...]
 specjax sweep CONFIG [--out DIR] [KEY=VALUE ...]
 specjax train CONFIG --out DIR [KEY=VALUE ...]
+
+A user mistake is one `error: ...` line (exit status 2); any other exception one `internal error: ...` line
+(exit status 1; SPECJAX_DEBUG=1 raises it with its traceback).
 """
 
 from __future__ import annotations
@@ -15,6 +20,33 @@ import os
 import sys
 
 from specjax.errors import SpecjaxError
+
+DEBUG_ENV = 'SPECJAX_DEBUG'  # set (not 0): unexpected exceptions keep their traceback
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse with its mistakes as one `error:` line (no usage block), exit status 2."""
+
+  def error(self, message: str):
+    self.exit(2, f'error: {message} (see {self.prog} --help)\n')
+
+
+class _Stdout:
+  """Streamed text on stdout, remembering whether its last line is unfinished (an error then starts a new one)."""
+
+  open_line = False
+
+  @classmethod
+  def write(cls, text: str) -> None:
+    if text:
+      sys.stdout.write(text)
+      sys.stdout.flush()
+      cls.open_line = not text.endswith('\n')
+
+  @classmethod
+  def end_line(cls) -> None:
+    if cls.open_line:
+      cls.write('\n')
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -92,6 +124,10 @@ def read_prompt_file(path: str, per_line: bool = False) -> list[str]:
 
 def read_prompts(args) -> list[str]:
   prompts = list(args.prompt)
+  empty = [i for i, p in enumerate(prompts) if not p]
+  if empty:  # as an empty prompt file: nothing to continue
+    which = f' (prompt {empty[0] + 1} of {len(prompts)})' if len(prompts) > 1 else ''
+    raise SpecjaxError(f'--prompt is empty{which}: give the text to continue')
   if args.prompts_per_line and not args.prompt_file:
     raise SpecjaxError('--prompts-per-line reads --prompt-file; pass --prompt-file FILE')
   if args.prompt_file:
@@ -126,8 +162,8 @@ def cmd_generate(args) -> int:
 def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) -> int:
   stream = None
   if not args.json and len(prompts) == 1:
-    sys.stdout.write(prompts[0])
-    stream = lambda row, text: (sys.stdout.write(text), sys.stdout.flush())
+    _Stdout.write(prompts[0])
+    stream = lambda row, text: _Stdout.write(text)
   results, stats = engine.generate(
       prompts,
       max_new_tokens=args.max_new_tokens,
@@ -158,7 +194,7 @@ def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) 
     out['model'] = model.source
     print(json.dumps(out, ensure_ascii=False))
   elif len(prompts) == 1:
-    sys.stdout.write('\n')
+    _Stdout.write('\n')
     extra = f', tau {results[0].spec.tau:.2f}' if results[0].spec else ''
     print(f'[{stats.generated_tokens} tokens, {stats.tokens_per_s:.1f} tok/s{extra}]', file=sys.stderr)
   else:
@@ -172,12 +208,15 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
   from specjax.drafters import REGISTRY
   from specjax.drafters.registry import option_fields
 
+  families = [f for name, f in REGISTRY.items() if '+' not in name]
   p.add_argument(
       '--drafter',
-      choices=tuple(REGISTRY),
+      metavar='FAMILY',
       default=None,
-      help='drafter family (default: draft-model with --draft-model, else ngram): '
-      + '; '.join(f'{name}: {f.help}' for name, f in REGISTRY.items()),
+      help=f'drafter family, one of {", ".join(REGISTRY)} (default: with --draft-model the family its config.json '
+      'architectures name, else draft-model; without, ngram): '
+      + '; '.join(f'{f.name}: {f.help}' for f in families)
+      + '; ngram+FAMILY: n-gram prompt lookup where it matches, else FAMILY',
   )
   p.add_argument(
       '--n-predict',
@@ -185,8 +224,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
       dest='n_predict',
       type=int,
       default=None,
-      help="draft depth K per step (default: the family's, 4; 3 with --mtp); --mtp-n-predict is the "
-      'mistral.rs spelling',
+      help="draft depth K per step (default: the checkpoint's own where it names one, else the family's: "
+      + ', '.join(f'{f.name} {"min(block_size - 1, 7)" if f.name == "dflash" else f.default_depth}' for f in families)
+      + "; ngram+FAMILY: FAMILY's; at most --max-draft); --mtp-n-predict is the mistral.rs spelling",
   )
   p.add_argument(
       '--mtp',
@@ -238,7 +278,7 @@ def drafter_kind(args) -> str:
 
 
 def default_depth(args) -> int:
-  """K when --n-predict is not given: the drafter family's default."""
+  """K when --n-predict is not given, before the drafter is built: the drafter family's default."""
   from specjax.drafters import get
 
   return get(drafter_kind(args)).default_depth
@@ -275,8 +315,8 @@ def cmd_run(args) -> int:
   if args.max_new_tokens < 1:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
   model, engine, options = load_engine(args)
-  if args.n_predict is None:  # the checkpoint's or family's default, capped by what the drafter drafts
-    k = min(engine.drafter.default_depth or k, engine.max_draft)
+  if args.n_predict is None:  # the drafter's own default or else the family's, capped: what Engine.generate uses
+    k = engine.default_depth(fallback=k)
   depth = k
   if args.policy or os.environ.get('SPECJAX_POLICY'):
     from specjax.policies import make_policy
@@ -361,6 +401,14 @@ def cmd_train(args) -> int:
   report = run_training(args.config, args.out, args.overrides, progress=not args.quiet)
   ev = report['eval']
   done, steps = report['step'], report['steps']
+  if done == report['start_step']:  # no step ran in this invocation
+    if steps == 0:
+      print(f"train.steps=0: the initial drafter exported to {report['export']}/")
+    elif done >= steps:
+      print(f"already trained: {done} of {steps} steps in {args.out}; nothing to do (drafter in {report['export']}/)")
+    else:
+      print(f'already at step {done} of {steps} in {args.out} (train.stop_after); nothing to do until it is raised')
+    return 0
   print(
       (f'trained {steps} steps' if done == steps else f'trained to step {done} of {steps} (rerun to resume)')
       + f" (from step {report['start_step']}); loss {report['loss']}; "
@@ -372,7 +420,10 @@ def cmd_train(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog='specjax', description='Speculative decoding research framework (JAX).')
+  from specjax.drafters import REGISTRY
+  from specjax.train.trainers import TRAINERS
+
+  parser = _Parser(prog='specjax', description='Speculative decoding research framework (JAX).')
   sub = parser.add_subparsers(dest='command', required=True)
   gen = sub.add_parser('generate', help='autoregressive generation')
   _add_model_args(gen)
@@ -397,11 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
   bench.add_argument(
       '--depths',
       dest='n_predict_list',
+      metavar='K',
       type=int,
       nargs='+',
       default=None,
-      help="draft depths to compare (default: the family's tuner candidates, 2 4 6 8; "
-      'with --mtp 2 3 4 6; or --n-predict)',
+      help="draft depths to compare (default: --n-predict, else the family's tuner candidates: "
+      + ', '.join(f'{n} {" ".join(map(str, f.depths))}' for n, f in REGISTRY.items() if '+' not in n)
+      + "; ngram+FAMILY: FAMILY's; each capped by what the drafter drafts)",
   )
   bench.add_argument('--max-new-tokens', type=int, default=64)
   bench.add_argument('--temperature', type=float, default=0.0)
@@ -420,7 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
   sweep.add_argument('--out', default=None, help='output directory (default: runs/<config file name>)')
   sweep.add_argument('--quiet', action='store_true', help='no progress bar')
   sweep.set_defaults(func=cmd_sweep)
-  train = sub.add_parser('train', help='train a drafter (mtp, eagle3) against a frozen target; rerun to resume')
+  train = sub.add_parser(
+      'train', help=f'train a drafter ({", ".join(TRAINERS)}) against a frozen target; rerun to resume'
+  )
   train.add_argument('config', help='ml_collections config file defining get_config() (see configs/train_*.py)')
   train.add_argument(
       'overrides', nargs='*', metavar='KEY=VALUE', help='overrides, e.g. train.steps=100 data.path=data.jsonl'
@@ -439,13 +494,24 @@ def main(argv: list[str] | None = None) -> int:
       args.overrides += extra
     else:
       parser.error(f'unrecognized arguments: {" ".join(extra)}')
+  _Stdout.open_line = False
   try:
     return args.func(args)
   except SpecjaxError as e:
+    _Stdout.end_line()  # streamed text stops mid-line: the error starts a line of its own
     print(f'error: {e}', file=sys.stderr)
     return 2
   except KeyboardInterrupt:
+    _Stdout.end_line()
     return 130
+  except Exception as e:
+    if os.environ.get(DEBUG_ENV, '') not in ('', '0'):
+      raise
+    _Stdout.end_line()
+    message = ' '.join(str(e).split())  # one line
+    what = f'{type(e).__name__}: {message}' if message else type(e).__name__
+    print(f'internal error: {what} (please report this; {DEBUG_ENV}=1 shows the traceback)', file=sys.stderr)
+    return 1
 
 
 if __name__ == '__main__':

@@ -1,3 +1,5 @@
+import contextlib
+import functools
 import os
 
 import pytest
@@ -41,6 +43,24 @@ def perturbed_target(scale: float):
   for name, w in ckpt.tensors.items():
     ckpt.tensors[name] = w + rng.normal(0, scale, w.shape).astype(np.float32)
   return build_model(ckpt)
+
+
+def damped_target(model, mix: float):
+  """`model` with every layer's output projections (attention / mixer `o_proj`, `out_proj`, MLP `down`) scaled by
+  `mix`: its next token depends mostly on the last token's own embedding (near a bigram model), so a drafter that
+  reads the last token (MTP's embedding input, a DFlash block's first row) gets accepted often."""
+  import dataclasses
+
+  import jax
+  from flax import nnx
+
+  def scale(path, x):
+    names = [getattr(k, 'key', None) for k in path]
+    return x * mix if names[0] == 'layers' and names[-1] in ('o_proj', 'out_proj', 'down') else x
+
+  state = jax.tree.map(lambda x: x, model.params)
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(scale, nnx.to_pure_dict(model.params)))
+  return dataclasses.replace(model, params=state)
 
 
 def cache_step(model):
@@ -117,30 +137,193 @@ def spec_bench():
     pytest.skip(f'needs the Spec-Bench data (set SPECJAX_SPEC_BENCH or run `specjax bench` once to cache it): {e}')
 
 
-def second_token_pvalue(target, prompt: list[int], sampling, second, stop_ids=()) -> float:
-  """chi^2 p-value of sampled second tokens `second` [N] against the target's exact law after `prompt`.
+# ---------------------------------------------------------------- exact sampled laws and verifier mutants
 
-  The law of token 2 is sum over x1 of p(x1) p(x2 | x1), x1 outside `stop_ids` (rows that drew one stopped and
-  have no token 2), compared in 12 bins (token id mod 12).
-  """
+# Mutants of `specjax/verify.py`: each is the module's source with these (old, new) lines swapped, one edit of the
+# chain verifier (`verify`) and one of the tree verifier (`verify_tree`) or its `rejection_residual`. Every site
+# must occur exactly once, so a change to verify.py that moves one fails loudly instead of testing nothing.
+VERIFIER_MUTANTS = {
+    # At a rejection, draw from p instead of norm(max(0, p - q)) (the tree: r is never reduced by q).
+    'residual-not-reduced': (
+        ('residual = jnp.maximum(p_at - q_at, 0.0)', 'residual = p_at'),
+        ('return jnp.maximum(residual - mass[:, None] * q, 0.0)', 'return residual'),
+    ),
+    # After the accepted drafts, the token a plain draw gives (the bonus) comes from the last accepted draft's q
+    # instead of the target's p there.
+    'bonus-from-q': (
+        (
+            'weights = jnp.where(use_residual[:, None], residual, p_at)',
+            'q_last = jnp.take_along_axis(q, jnp.maximum(n_accepted - 1, 0)[:, None, None], axis=1)[:, 0]\n'
+            '  bonus = jnp.where((n_accepted > 0)[:, None], q_last, p_at)\n'
+            '  weights = jnp.where(use_residual[:, None], residual, bonus)',
+        ),
+        (
+            'last = sampling_lib.gumbel_argmax(jnp.log(residual), keys)',
+            'q_cur = jnp.take_along_axis(q, cur[:, None, None], axis=1)[:, 0]\n'
+            '    plain = ~from_residual & (cur > 0)\n'
+            '    last = sampling_lib.gumbel_argmax(jnp.log(jnp.where(plain[:, None], q_cur, residual)), keys)',
+        ),
+    ),
+    # Draft i accepted with probability min(1, p_{i+1}(x_i) / q_i(x_i)): the target's law one position on (the
+    # tree: the law at the child instead of the residual at its parent).
+    'ratio-off-by-one': (
+        (
+            'p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]',
+            'p_draft = jnp.take_along_axis(p[:, 1:], drafts[..., None], axis=-1)[..., 0]',
+        ),
+        (
+            'accept = reached & (u_i * take(q_i, token) * mass < take(residual, token))',
+            'accept = reached & (u_i * take(q_i, token) < take(p_i, token))',
+        ),
+    ),
+}
+
+
+def mutant_verifier(name: str):
+  """A module with `verify` and `verify_tree` as `specjax/verify.py` with the mutant `name`'s edits."""
+  import inspect
+  import types
+
+  from specjax import verify as verify_lib
+
+  source = inspect.getsource(verify_lib)
+  for old, new in VERIFIER_MUTANTS[name]:
+    assert source.count(old) == 1, f'mutant {name}: {old!r} is not in specjax/verify.py once; update VERIFIER_MUTANTS'
+    source = source.replace(old, new)
+  module = types.ModuleType(f'verify_mutant_{name.replace("-", "_")}')
+  exec(compile(source, f'<specjax/verify.py, mutant {name}>', 'exec'), module.__dict__)
+  return module
+
+
+def forget_steps(engine) -> None:
+  """Drops the engine's compiled speculative steps (the verifier is traced into them), keeps prefill and decode."""
+  cache = engine.executables._cache
+  for key in [key for key in cache if key[0] in ('spec', 'verify')]:
+    del cache[key]
+
+
+@contextlib.contextmanager
+def mutated_verifier(name: str, *engines):
+  """The speculative step verifies with the mutant `name` inside the block (`engines` recompile theirs)."""
+  from specjax import step
+
+  module = mutant_verifier(name)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(step, 'verify', module.verify)
+    patch.setattr(step, 'verify_tree', module.verify_tree)
+    for engine in engines:
+      forget_steps(engine)
+    try:
+      yield
+    finally:
+      for engine in engines:
+        forget_steps(engine)
+
+
+@functools.cache
+def _next_token_probs():
+  """The jitted [F, T] ids -> [F, V] sampling law of the next token (graphdef and sampling static)."""
+  import jax
   import jax.numpy as jnp
-  import numpy as np
-  from scipy import stats
+  from flax import nnx
   from specjax.models.contract import StepInputs
   from specjax.sampling import probs
 
-  model = target.module()
-  v = target.config.vocab_size
-  ids = jnp.asarray([prompt])
-  hidden, _, _ = model.forward(ids, StepInputs.chain(None, jnp.asarray([len(prompt)]), len(prompt)), None)
-  p1 = np.array(probs(model.logits(hidden[:, -1]), sampling))[0]  # [V]
-  p1[list(stop_ids)] = 0
-  both = jnp.concatenate([jnp.tile(ids, (v, 1)), jnp.arange(v)[:, None]], axis=1)
-  hidden, _, _ = model.forward(both, StepInputs.chain(None, jnp.full((v,), both.shape[1]), both.shape[1]), None)
-  p2 = np.asarray(probs(model.logits(hidden[:, -1]), sampling))  # [V, V]
-  law = p1.astype(np.float64) @ p2.astype(np.float64)
-  law /= law.sum()
-  bins = np.arange(v) % 12
-  expected = np.bincount(bins, weights=law, minlength=12) * len(second)
-  observed = np.bincount(bins[np.asarray(second)], minlength=12)
-  return stats.chisquare(observed, expected).pvalue
+  @functools.partial(jax.jit, static_argnums=(0, 3))
+  def fn(graphdef, params, ids, sampling):
+    model = nnx.merge(graphdef, params)
+    f, t = ids.shape
+    hidden, _, _ = model.forward(ids, StepInputs.chain(None, jnp.full((f,), t), t), None)
+    return probs(model.logits(hidden[:, -1]).astype(jnp.float32), sampling)
+
+  return fn
+
+
+def next_token_probs(target, prompt: list[int], paths: list[tuple[int, ...]], sampling):
+  """[F, V] float64: the target's sampling law of the token after `prompt + path`, for paths of one length."""
+  import numpy as np
+
+  ids = np.array([list(prompt) + list(s) for s in paths], np.int32)
+  pad = -(-len(ids) // 64) * 64  # batch sizes in steps of 64: few shapes to compile
+  ids = np.concatenate([ids, np.repeat(ids[:1], pad - len(ids), axis=0)])
+  p = np.asarray(_next_token_probs()(target.graphdef, target.params, ids, sampling), np.float64)
+  p = p[: len(paths)]
+  return p / p.sum(-1, keepdims=True)
+
+
+def emitted_law_pvalue(target, prompt: list[int], sampling, rows, stop_ids=(), min_count: float = 5) -> float:
+  """chi^2 p-value of `rows` (each request's first emitted tokens, one prompt) against the target's exact law.
+
+  The law of the first D tokens (D = the longest row; a row is shorter only when it stopped at one of
+  `stop_ids`) is p(x1) p(x2 | x1) .. under `sampling`. Cells: every token path whose expected count is at least
+  `min_count`, refined into its next token while shorter than D (the next tokens below `min_count` pooled into
+  one cell per path); every cell still below `min_count` goes into one tail. A row with a token its path gives
+  probability 0 fails outright (p = 0).
+  """
+  import numpy as np
+  from scipy import stats
+
+  rows = [tuple(int(x) for x in r) for r in rows]
+  n, depth, stop = len(rows), max(len(r) for r in rows), {int(s) for s in stop_ids}
+  children = {}  # expanded path -> [V] expected counts of its one-token extensions
+  frontier, count = [()], {(): float(n)}
+  for _ in range(depth):
+    grown = []
+    for path, p in zip(frontier, next_token_probs(target, prompt, frontier, sampling) if frontier else []):
+      children[path] = count[path] * p
+      for x in np.flatnonzero(children[path] >= min_count):
+        count[path + (int(x),)] = children[path][x]
+        if len(path) + 1 < depth and int(x) not in stop:
+          grown.append(path + (int(x),))
+    frontier = grown
+  cells = {}
+  for path, counts in children.items():
+    big = counts >= min_count
+    cells.update({path + (int(x),): counts[x] for x in np.flatnonzero(big) if path + (int(x),) not in children})
+    cells[path, 'rest'] = counts[~big].sum()
+  observed = dict.fromkeys(cells, 0)
+  for row in rows:
+    path = ()
+    for x in row:
+      if children[path][x] == 0:
+        return 0.0  # a token the target excludes
+      if children[path][x] < min_count:
+        cell = path, 'rest'
+        break
+      path += (x,)
+      if path not in children:
+        assert len(path) == len(row), (row, 'continues past a stop id or is longer than the others')
+        cell = path
+        break
+    else:
+      raise AssertionError(f'{row} is shorter than {depth} tokens and does not end at a stop id')
+    observed[cell] += 1
+  f_exp, f_obs = np.array(list(cells.values())), np.array([observed[c] for c in cells], np.float64)
+  small = f_exp < min_count
+  f_exp, f_obs = np.append(f_exp[~small], f_exp[small].sum()), np.append(f_obs[~small], f_obs[small].sum())
+  keep = f_exp > 0
+  return stats.chisquare(f_obs[keep], f_exp[keep] * n / f_exp[keep].sum()).pvalue
+
+
+def assert_target_law(engine, target, prompt, sampling, *, n: int, k: int, depth: int = 3, mutants=()):
+  """`n` requests of `prompt` (`depth` tokens each, draft depth `k`) on `engine` (over `target`): their tokens pass
+  `emitted_law_pvalue` (p > 1e-3), and with each verifier mutant of `mutants` fail it (p < 1e-6).
+
+  Returns (the real run's results, {'real' or mutant: p-value}).
+  """
+  stop_ids = target.generation.eos_token_ids or target.tokenizer.eos_ids  # where the engine stops a row
+  pvalues = {}
+
+  def run(name):
+    results, _ = engine.generate([prompt] * n, max_new_tokens=depth, sampling=sampling, num_draft=k)
+    pvalues[name] = emitted_law_pvalue(target, prompt, sampling, [r.tokens for r in results], stop_ids)
+    return results
+
+  results = run('real')
+  for name in mutants:
+    with mutated_verifier(name, engine):
+      run(name)
+  print('law p-values:', pvalues)
+  assert pvalues['real'] > 1e-3, pvalues
+  assert all(pvalues[name] < 1e-6 for name in mutants), pvalues
+  return results, pvalues

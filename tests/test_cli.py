@@ -1,6 +1,7 @@
 """`specjax generate`: JSON output, streaming, and one-line errors for user mistakes."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -120,6 +121,8 @@ def test_bad_prompt_file_is_one_error_line(capsys, tmp_path, content, flags, mes
         ),
         (['-m', TINY, '--prompt-file', '/no/such/file'], 'does not exist'),
         (['-m', TINY, '--prompt', 'x', '--prompts-per-line'], '--prompts-per-line reads --prompt-file'),
+        (['-m', TINY, '--prompt', ''], '--prompt is empty: give the text to continue'),  # as an empty prompt file
+        (['-m', TINY, '--prompt', 'x', '--prompt', ''], '--prompt is empty (prompt 2 of 2)'),
     ],
 )
 def test_bad_input_is_one_error_line(capsys, argv, message):
@@ -127,6 +130,97 @@ def test_bad_input_is_one_error_line(capsys, argv, message):
   assert code != 0
   assert err.startswith('error: ') and message in err and err.count('\n') == 1, err
   assert 'Traceback' not in err
+
+
+def test_error_after_streaming_starts_on_a_fresh_line(capsys):
+  """The prompt is streamed before the engine's checks: the error line must not continue it."""
+  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt', 'x y z', '--max-new-tokens', '1000')
+  assert code == 2 and out == 'x y z\n', out
+  assert err.startswith('error: ') and 'capacity' in err and err.count('\n') == 1, err
+
+
+def test_unexpected_exception_is_one_internal_error_line(capsys, monkeypatch):
+  """A bug is one `internal error:` line (exit 1); SPECJAX_DEBUG=1 raises it with its traceback."""
+
+  def bug(args):
+    raise RuntimeError('no such\n  thing')
+
+  monkeypatch.setattr(cli, 'read_prompts', bug)
+  monkeypatch.delenv('SPECJAX_DEBUG', raising=False)
+  code, out, err = run_cli(capsys, 'generate', '-m', TINY, '--prompt', 'x')
+  assert code == 1 and out == ''
+  assert err == (
+      'internal error: RuntimeError: no such thing (please report this; SPECJAX_DEBUG=1 shows the traceback)\n'
+  ), err
+  monkeypatch.setenv('SPECJAX_DEBUG', '1')
+  with pytest.raises(RuntimeError, match='no such'):
+    cli.main(['generate', '-m', TINY, '--prompt', 'x'])
+
+
+@pytest.mark.parametrize(
+    'argv,message',
+    [
+        (
+            ['run', '-m', TINY, '--prompt', 'x', '--drafter', 'nope'],
+            "error: unknown drafter 'nope' (choose from ngram, ",
+        ),
+        (
+            ['generate', '-m', TINY, '--attention-impl', 'nope'],
+            "error: argument --attention-impl: invalid choice: 'nope'",
+        ),
+        (['generate', '--prompt', 'x'], 'error: the following arguments are required: -m/--model'),
+        (['frobnicate'], 'error: argument command: invalid choice'),
+    ],
+)
+def test_usage_mistakes_are_one_error_line(capsys, argv, message):
+  """Unknown drafters name the registered ones; argparse's own mistakes are one line too, not its usage block."""
+  try:
+    code = cli.main(argv)
+  except SystemExit as e:  # argparse exits
+    code = e.code
+  out, err = capsys.readouterr()
+  assert code == 2 and err.startswith(message) and err.count('\n') == 1 and not out, err
+  if 'drafter' in message:
+    from specjax.drafters import REGISTRY
+
+    assert all(name in err for name in REGISTRY)
+
+
+def test_help_names_every_family_and_trainer(capsys, monkeypatch):
+  """--help lists what exists: every drafter family (run, bench) and every trainer kind (train)."""
+  from specjax.drafters import REGISTRY
+  from specjax.train.trainers import TRAINERS
+
+  monkeypatch.setenv('COLUMNS', '10000')  # one line per option: names are not broken at hyphens
+  helps = {}
+  for command in ([], ['run'], ['bench'], ['train']):
+    with pytest.raises(SystemExit):
+      cli.main(command + ['--help'])
+    helps[' '.join(command)] = capsys.readouterr().out
+  assert f'train a drafter ({", ".join(TRAINERS)})' in helps[''] and 'dflash' in TRAINERS
+  for command in ('run', 'bench'):
+    drafter = next(line for line in helps[command].splitlines() if line.strip().startswith('--drafter'))
+    assert all(name in drafter for name in REGISTRY), drafter
+  depths = next(line for line in helps['bench'].splitlines() if line.strip().startswith('--depths'))
+  assert 'dflash 3 5 7' in depths and 'mtp 2 3 4 6' in depths, depths
+
+
+@pytest.mark.parametrize(
+    'drafter,config,message',
+    [
+        ('dflash', 'tiny_eagle3', 'not a DFlash draft'),
+        ('eagle3', 'tiny_dflash', 'not an EAGLE-3 head'),
+        ('mtp', 'tiny_eagle3', 'is not an MTP head'),
+    ],
+)
+def test_drafter_of_another_family_is_named_before_its_weights(capsys, tmp_path, drafter, config, message):
+  """A checkpoint of another family (here with no weights at all) is refused by its architecture."""
+  shutil.copy(f'{FIXTURES}/{config}/config.json', tmp_path / 'config.json')
+  code, out, err = run_cli(
+      capsys, 'run', '-m', TINY, '--prompt', 'x', '--drafter', drafter, '--draft-model', str(tmp_path)
+  )
+  assert code == 2 and err.startswith('error: ') and message in err and err.count('\n') == 1, err
+  assert 'safetensors' not in err
 
 
 def test_entry_point_exit_code():

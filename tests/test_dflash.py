@@ -2,7 +2,9 @@
 
 import dataclasses
 import json
+import os
 import shutil
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from specjax.models.contract import StepInputs
 from specjax.models.dflash import DFlashConfig, DFlashDraft, block_mask
 from specjax.models.layers import Rope
 from specjax.step import spec_step
-from conftest import FIXTURES, RAGGED_PROMPTS, close, shuffled_cache
+from conftest import FIXTURES, RAGGED_PROMPTS, close, damped_target, shuffled_cache
 
 TARGET = f'{FIXTURES}/tiny_qwen3'
 HYBRID = f'{FIXTURES}/tiny_qwen3_5'
@@ -92,26 +94,36 @@ def test_engine_drafts_equal_upstream(target, ref):
 
 
 @pytest.fixture(scope='module')
-def reference(target):
-  results, _ = specjax.Engine(target, page_size=4).generate(PROMPTS, max_new_tokens=20)
-  return [r.tokens for r in results]
+def damped(target):
+  """The target with its layers' outputs scaled by 0.085 (`conftest.damped_target`): near a bigram model, whose
+  next token the reader draft (`reader_draft`) predicts often, not always."""
+  return damped_target(target, 0.085)
 
 
-def test_greedy_equals_autoregressive_every_depth(target, reference):
-  drafter = make_drafter('dflash', target, draft_model=DRAFT)
-  engine = specjax.Engine(target, page_size=4, drafter=drafter, max_draft=5)
-  for k in range(1, 6):
+@pytest.fixture(scope='module')
+def reader(damped, tmp_path_factory):
+  return reader_draft(str(tmp_path_factory.mktemp('reader')), damped)
+
+
+def test_greedy_equals_autoregressive(damped, reader):
+  """K = 1, 3 and the block's 5 (every depth: `test_speculative.py`); drafts accepted and rejected in every run."""
+  reference, _ = specjax.Engine(damped, page_size=4).generate(PROMPTS, max_new_tokens=20)
+  engine = specjax.Engine(damped, page_size=4, drafter=make_drafter('dflash', damped, draft_model=reader), max_draft=5)
+  for k in (1, 3, 5):
     results, _ = engine.generate(PROMPTS, max_new_tokens=20, num_draft=k)
-    assert [r.tokens for r in results] == reference, k
+    assert [r.tokens for r in results] == [r.tokens for r in reference], k
+    assert 20 <= sum(r.spec.accepted for r in results) < sum(r.spec.drafted for r in results), k
 
 
-def test_sampled_equals_autoregressive(target):
-  """Greedy drafts verified by sample-and-match: the same tokens as plain sampling with the same seed."""
+def test_sampled_equals_autoregressive(damped, reader):
+  """Greedy drafts verified by sample-and-match: the same tokens as plain sampling with the same seed; drafts are
+  accepted (sampled tokens equal to the drafts) and rejected."""
   sampling = specjax.SamplingParams(temperature=0.9, seed=3)
-  plain, _ = specjax.Engine(target, page_size=4).generate(PROMPTS, max_new_tokens=12, sampling=sampling)
-  engine = specjax.Engine(target, page_size=4, drafter=make_drafter('dflash', target, draft_model=DRAFT))
+  plain, _ = specjax.Engine(damped, page_size=4).generate(PROMPTS, max_new_tokens=12, sampling=sampling)
+  engine = specjax.Engine(damped, page_size=4, drafter=make_drafter('dflash', damped, draft_model=reader))
   spec, _ = engine.generate(PROMPTS, max_new_tokens=12, sampling=sampling, num_draft=3)
   assert [r.tokens for r in spec] == [r.tokens for r in plain]
+  assert 5 <= sum(r.spec.accepted for r in spec) < sum(r.spec.drafted for r in spec)
 
 
 @pytest.mark.parametrize('gate', [False, True])
@@ -149,6 +161,48 @@ def random_draft(tmp_path, target_model, taps, block_size=4, window=None) -> str
   draft = DFlashDraft(cfg, rngs=nnx.Rngs(4))
   path = str(tmp_path / 'draft')
   save_dflash(path, cfg, nnx.state(draft, nnx.Param))
+  return path
+
+
+def reader_draft(path: str, target_model, dflash2: bool = False) -> str:
+  """A DFlash (2) draft whose every row drafts the target's read of the last token alone, saved at `path`.
+
+  No queries or keys (every attention score 0), context values 0 (`fc` 0) and a value map that drops the mask
+  token's direction: each block row's attention adds a large multiple of the first row's (the last token's)
+  normed embedding; the MLP adds nothing (DFlash 2: identity convolutions, no transitions, plain unary logits
+  over 16 candidates) and the final norm is the target's. Over `damped_target` (whose next token depends mostly
+  on the last one) its drafts get accepted often.
+  """
+  t = target_model.config
+  d = t.hidden_size
+  extra = dict(conv_taps=2, conv_group_size=16, selector_rank=8, selector_top_k=16) if dflash2 else {}
+  cfg = DFlashConfig(
+      hidden_size=d,
+      intermediate_size=32,
+      num_heads=4,
+      num_kv_heads=4,
+      head_dim=d // 4,
+      norm_eps=1e-6,
+      rope=Rope(base=1e6),
+      num_layers=1,
+      block_size=6,
+      mask_token_id=500,
+      taps=(0,),
+      num_target_layers=t.num_layers,
+      vocab_size=t.vocab_size,
+      windows=(None,),
+      **extra,
+  )
+  params = nnx.to_pure_dict(nnx.state(DFlashDraft(cfg, rngs=nnx.Rngs(4)), nnx.Param))
+  mask = np.asarray(target_model.module().embed(jnp.asarray([[cfg.mask_token_id]])))[0, 0].astype(np.float64)
+  mask /= np.linalg.norm(mask)
+  layer = params['layers'][0]
+  layer['mixer']['qkv_proj'] = np.concatenate([np.zeros((d, 2 * d)), np.eye(d) - np.outer(mask, mask)], axis=1)
+  layer['mixer']['o_proj'] = np.eye(d) * 1e3
+  layer['mlp']['down'] = np.zeros_like(layer['mlp']['down'])
+  params['fc'] = np.zeros_like(params['fc'])
+  params['norm']['scale'] = np.asarray(nnx.to_pure_dict(target_model.params)['norm']['scale'])
+  save_dflash(path, cfg, jax.tree.map(lambda x: np.asarray(x, np.float32), params))
   return path
 
 
@@ -196,6 +250,22 @@ def test_save_round_trip(tmp_path, target, ckpt):
   assert sorted(saved) == sorted(original)
   for name, w in original.items():
     np.testing.assert_array_equal(saved[name], w.astype(np.float32), err_msg=name)
+
+
+def test_save_is_atomic_with_the_umask_modes(tmp_path, ckpt, monkeypatch):
+  """Files 0666 less the umask, written into a temporary folder renamed into place: a failed write leaves nothing."""
+  import safetensors.numpy
+
+  umask = os.umask(0o022)
+  os.umask(umask)
+  save_dflash(str(tmp_path / 'export'), ckpt.config, ckpt.params)
+  for name in ('config.json', 'model.safetensors'):
+    assert stat.S_IMODE(os.stat(tmp_path / 'export' / name).st_mode) == 0o666 & ~umask, name
+  assert stat.S_IMODE(os.stat(tmp_path / 'export').st_mode) == 0o777 & ~umask
+  monkeypatch.setattr(safetensors.numpy, 'save_file', lambda *a, **k: (_ for _ in ()).throw(OSError('disk full')))
+  with pytest.raises(OSError, match='disk full'):
+    save_dflash(str(tmp_path / 'other'), ckpt.config, ckpt.params)
+  assert os.listdir(tmp_path) == ['export']
 
 
 def gather(cache: KVCache, row: int, n: int):
@@ -315,6 +385,20 @@ def test_cli_mtp_model_selects_dflash(capsys):
   out = json.loads(capsys.readouterr().out)
   assert code == 0 and out['spec']['drafter'] == 'dflash' and out['spec']['k'] == 5  # min(block_size - 1, 7)
   assert set(out['step_depths']) == {5}
+
+
+def test_default_depth_is_the_same_from_the_cli_and_the_engine(tmp_path, capsys, target):
+  """Without a depth, `Engine.generate` and `specjax run` both draft min(block_size - 1, 7): 7 under a block of 16."""
+  from specjax.cli import main
+
+  path = broken(tmp_path, config={'block_size': 16})
+  drafter = make_drafter('dflash', target, draft_model=path)
+  assert specjax.Engine(target, drafter=drafter).default_depth() == 7  # not max_draft (8)
+  assert specjax.Engine(target, drafter=drafter, max_draft=5).default_depth() == 5
+  assert specjax.Engine(target, drafter=make_drafter('ngram+dflash', target, draft_model=path)).default_depth() == 7
+  argv = ['run', '-m', TARGET, '--drafter', 'dflash', '--draft-model', path, '--prompt', 'Hello world']
+  assert main(argv + ['--max-new-tokens', '3', '--json']) == 0
+  assert set(json.loads(capsys.readouterr().out)['step_depths']) == {7}
 
 
 def test_cli_mtp_model_selects_eagle3(capsys):

@@ -12,7 +12,7 @@ import pytest
 import specjax
 from specjax.drafters import make_drafter
 from specjax.step import propose_phase
-from conftest import FIXTURES, RAGGED_PROMPTS, second_token_pvalue
+from conftest import FIXTURES, RAGGED_PROMPTS, VERIFIER_MUTANTS, assert_target_law, damped_target
 
 TARGET = f'{FIXTURES}/tiny_llama3'
 HEAD = f'{FIXTURES}/tiny_eagle3'
@@ -29,12 +29,6 @@ def ref():
   return np.load(f'{FIXTURES}/tiny_eagle3_reference.npz')
 
 
-@pytest.fixture(scope='module')
-def reference(target):
-  results, _ = specjax.Engine(target, page_size=4).generate(PROMPTS, max_new_tokens=24)
-  return [r.tokens for r in results]
-
-
 def first_proposal(target, drafter, ref, k):
   """Prefills each fixture prompt (its first N - 1 ids), samples the next token, and drafts once."""
   engine = specjax.Engine(target, page_size=4, drafter=drafter, max_draft=k)
@@ -48,6 +42,17 @@ def first_proposal(target, drafter, ref, k):
       target.graphdef, target.params, drafter.params(), state, drafter=drafter, k=k, sampling=specjax.SamplingParams()
   )
   return jax.device_get(prop)
+
+
+@pytest.fixture(scope='module')
+def damped(target):
+  """The target with its layers' outputs scaled by 0.7 (`conftest.damped_target`): nearer a bigram model."""
+  return damped_target(target, 0.7)
+
+
+@pytest.fixture(scope='module')
+def reader(damped, tmp_path_factory):
+  return reader_head(damped, str(tmp_path_factory.mktemp('reader_head')))
 
 
 def test_chain_drafts_equal_eagle(target, ref):
@@ -93,6 +98,35 @@ def lens_head(request, target, tmp_path_factory):
   return path
 
 
+def reader_head(target, path: str) -> str:
+  """A head that drafts the target's read of the token it is fed (x_{t+1}) alone, saved at `path`: over
+  `conftest.damped_target` (whose next token depends mostly on the last one) its drafts get accepted often.
+
+  `fc` is 0 and the residual is `hidden_norm(h)` (0 for the first draft); the attention's queries and keys are
+  its token's normed embedding times 4 and its values the embedding, so each row attends to the positions of its
+  own token and adds ten times that token's embedding; the MLP adds nothing (`start_from_target_head`: the
+  target's final norm and head score it).
+  """
+  from flax import nnx
+
+  from specjax.loading.eagle3 import load_eagle3, save_eagle3
+  from specjax.models.eagle3 import Eagle3Head
+  from specjax.train.eagle3 import start_from_target_head
+
+  v, d = target.config.vocab_size, target.config.hidden_size
+  cfg = dataclasses.replace(
+      load_eagle3(HEAD, target).config, draft_vocab_size=v, num_kv_heads=4, norm_before_residual=True
+  )
+  head = Eagle3Head(cfg, rngs=nnx.Rngs(0))
+  start_from_target_head(head, target, jnp.arange(v))
+  eye = jnp.eye(d)
+  head.fc[...] = jnp.zeros_like(head.fc[...])
+  head.self_attn.qkv_proj[...] = jnp.zeros((2 * d, 3 * d)).at[:d].set(jnp.concatenate([4 * eye, 4 * eye, eye], 1))
+  head.self_attn.o_proj[...] = 10 * eye
+  save_eagle3(path, cfg, nnx.state(head, nnx.Param), np.zeros(v, np.int64))
+  return path
+
+
 @pytest.mark.parametrize(
     'lens_head, options',
     [('eagle3', {}), ('eagle3.1', {'tree_topk': 2, 'tree_tokens': 6})],
@@ -128,30 +162,36 @@ def test_later_rounds_draft_as_a_fresh_prefill(target, lens_head, options):
     [{}, {'tree_topk': 2, 'tree_tokens': 6}, {'tree_topk': 4, 'tree_tokens': 16}, {'tree_parents': '0,0,1,1,2,3'}],
     ids=['chain', 'tree-2x6', 'tree-4x16', 'static'],
 )
-def test_greedy_equals_autoregressive_every_depth(target, reference, options):
-  drafter = make_drafter('eagle3', target, draft_model=HEAD, **options)
-  engine = specjax.Engine(target, page_size=4, drafter=drafter, max_draft=6)
-  for k in range(1, 7):
+def test_greedy_equals_autoregressive(damped, reader, options):
+  """K = 1, 3 and 6 (every depth: `test_speculative.py`), the reader head over the damped target: its drafts are
+  accepted and rejected in every run."""
+  reference, _ = specjax.Engine(damped, page_size=4).generate(PROMPTS, max_new_tokens=24)
+  drafter = make_drafter('eagle3', damped, draft_model=reader, **options)
+  engine = specjax.Engine(damped, page_size=4, drafter=drafter, max_draft=6)
+  for k in (1, 3, 6):
     results, _ = engine.generate(PROMPTS, max_new_tokens=24, num_draft=k)
-    assert [r.tokens for r in results] == reference, k
+    assert [r.tokens for r in results] == [r.tokens for r in reference], k
+    accepted = sum(r.spec.accepted for r in results)
+    assert 20 <= accepted < sum(r.spec.drafted for r in results), k
 
 
-def test_sampled_static_tree_keeps_the_target_law(target):
-  """Static-tree children drawn from q, verified with q: the second token's law is the target's.
-
-  One prompt, 3000 request ids; the exact law of token 2 is sum over token 1 of p(x1) p(x2 | x1),
-  compared in 12 bins (token id mod 12) by chi^2.
-  """
-  sampling = specjax.SamplingParams(temperature=1.5, seed=5)
-  drafter = make_drafter('eagle3', target, draft_model=HEAD, tree_parents='0,0,0,1,1,2')
-  engine = specjax.Engine(target, page_size=8, drafter=drafter, max_draft=2)
-  n = 3000
+@pytest.mark.parametrize(
+    'options, k, mutants',
+    [
+        ({}, 1, list(VERIFIER_MUTANTS)),
+        ({'tree_parents': '0,0,0,1,1,2'}, 2, ['residual-not-reduced', 'ratio-off-by-one']),
+    ],
+    ids=['chain', 'static'],
+)
+def test_sampled_drafts_keep_the_target_law(damped, reader, options, k, mutants):
+  """Chains and static-tree children drawn from the reader head's q, verified with q: the first three tokens have
+  the target's exact law (`conftest.emitted_law_pvalue`), 1000 requests of one prompt; the verifier mutants fail
+  it (the bonus after a depth-2 path is token 4, past the test: not that mutant for the tree)."""
+  sampling = specjax.SamplingParams(temperature=1.0, seed=5)
+  engine = specjax.Engine(damped, page_size=8, drafter=make_drafter('eagle3', damped, draft_model=reader, **options))
   prompt = engine.encode(['The capital of France is'])[0]
-  results, _ = engine.generate([prompt] * n, max_new_tokens=2, sampling=sampling, num_draft=2)
-  second = np.array([r.tokens[1] for r in results])
-  assert sum(r.spec.accepted for r in results) > 10  # some drafts were accepted with q
-
-  assert second_token_pvalue(target, prompt, sampling, second) > 1e-3
+  results, _ = assert_target_law(engine, damped, prompt, sampling, n=1000, k=k, mutants=mutants)
+  assert sum(r.spec.accepted for r in results) > 500 * k  # chain ~800 of ~1450 drafts, tree ~1450 of ~2500 nodes
 
 
 def test_cli_tree_run_reports_tree_nodes(capsys):

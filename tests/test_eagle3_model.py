@@ -3,7 +3,9 @@ bad input."""
 
 import dataclasses
 import json
+import os
 import shutil
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +154,44 @@ def test_save_round_trip(tmp_path, target, ckpt):
   again = load_eagle3(str(tmp_path / 'bf16'), target, dtype='bfloat16')
   assert again.t2d is None
   assert_same(again, dataclasses.replace(half, t2d=None))
+
+
+def test_save_is_atomic_with_the_umask_modes(tmp_path, ckpt, monkeypatch):
+  """An export's files get 0666 less the umask (safetensors alone writes 0600), its directory 0777 less it; a write
+  cut short leaves an earlier export as it was, and no partial one or temporary folder."""
+  import safetensors.numpy
+
+  path = tmp_path / 'export'
+  save = lambda where: save_eagle3(str(where), ckpt.config, ckpt.params, ckpt.d2t, ckpt.t2d)
+  umask = os.umask(0o027)
+  try:
+    save(path)
+  finally:
+    os.umask(umask)
+  modes = {name: stat.S_IMODE(os.stat(path / name).st_mode) for name in os.listdir(path)}
+  assert modes == {'config.json': 0o640, 'model.safetensors': 0o640} and stat.S_IMODE(os.stat(path).st_mode) == 0o750
+  save(path)  # rewritten in place (as at every training checkpoint): the umask's modes again
+  assert stat.S_IMODE(os.stat(path / 'model.safetensors').st_mode) == 0o666 & ~umask
+  before = {name: (path / name).read_bytes() for name in os.listdir(path)}
+
+  def cut_short(tensors, filename, metadata=None):
+    with open(filename, 'wb') as f:
+      f.write(b'partial')
+    raise OSError('disk full')
+
+  monkeypatch.setattr(safetensors.numpy, 'save_file', cut_short)
+  for where in (path, tmp_path / 'new'):
+    with pytest.raises(OSError, match='disk full'):
+      save(where)
+  assert os.listdir(tmp_path) == ['export']
+  assert {name: (path / name).read_bytes() for name in os.listdir(path)} == before
+  monkeypatch.undo()
+  (path / 'model.safetensors').unlink()
+  (path / 'notes.txt').write_text('mine')  # a folder with other files: they stay, ours are renamed in
+  save(path)
+  assert sorted(os.listdir(path)) == ['config.json', 'model.safetensors', 'notes.txt']
+  assert (path / 'notes.txt').read_text() == 'mine' and os.listdir(tmp_path) == ['export']
+  assert (path / 'model.safetensors').read_bytes() == before['model.safetensors']
 
 
 def test_norm_variants(tmp_path, target, ckpt):

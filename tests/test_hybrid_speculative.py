@@ -15,8 +15,8 @@ from specjax.models.contract import StepInputs, append
 from specjax import SpecjaxError
 from specjax.cache.paged import KVCache, state_bytes
 from specjax.drafters import make_drafter
-from conftest import FIXTURES
-from test_speculative_sampling import ALPHA, SETTINGS, samples, second_token_law, goodness_of_fit_pvalue, two_sample_pvalue
+from conftest import FIXTURES, assert_target_law, damped_target
+from test_speculative_sampling import SETTINGS
 
 PROMPTS = [
     'The cat sat on the mat. The cat sat on the mat. The cat',
@@ -30,18 +30,41 @@ def hybrid(request):
   return specjax.load(f'{FIXTURES}/{request.param}', mtp=True)
 
 
+def mtp_reader(model, mix: float = 0.3):
+  """(`conftest.damped_target(model, mix)`, near a bigram model; the same with its MTP head rewired to draft what
+  that target reads from the token the head is fed, x_{t+1}: `fc` passes the normed embedding through, the
+  hidden state not, the block adds nothing and the final norm is the target's). Its drafts get accepted often."""
+  target = damped_target(model, mix)
+  graphdef, params = target.heads['mtp']
+  head = nnx.to_pure_dict(params)
+  d = head['norm']['scale'].shape[0]
+  head['fc'] = np.concatenate([np.eye(d), np.zeros((d, d))]).astype(np.float32)
+  head['pre_fc_norm_embedding']['scale'] = np.zeros(d, np.float32)  # zero-centred: the plain RMS norm
+  head['layer'] = jax.tree_util.tree_map_with_path(
+      lambda path, x: x * 0 if getattr(path[-1], 'key', None) in ('o_proj', 'down') else x, head['layer']
+  )
+  head['norm']['scale'] = nnx.to_pure_dict(target.params)['norm']['scale']
+  state = jax.tree.map(lambda x: x, params)
+  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, head))
+  return dataclasses.replace(target, heads={**target.heads, 'mtp': (graphdef, state)})
+
+
 @pytest.mark.parametrize('kind', ['ngram', 'mtp'])
 def test_greedy_equals_autoregressive(hybrid, kind):
-  want = [r.tokens for r in specjax.Engine(hybrid, page_size=4).generate(PROMPTS, max_new_tokens=24)[0]]
-  engine = specjax.Engine(hybrid, page_size=4, drafter=make_drafter(kind, hybrid), max_draft=6)
+  """The MTP head as `mtp_reader` rewires it (over its damped target), drafts accepted and rejected in every run."""
+  model = mtp_reader(hybrid) if kind == 'mtp' else hybrid
+  want = [r.tokens for r in specjax.Engine(model, page_size=4).generate(PROMPTS, max_new_tokens=24)[0]]
+  engine = specjax.Engine(model, page_size=4, drafter=make_drafter(kind, model), max_draft=6)
   partial = 0
   for k in (1, 3, 6):
     results, _ = engine.generate(PROMPTS, max_new_tokens=24, num_draft=k)
     assert [r.tokens for r in results] == want, (kind, k)
     partial += sum(0 < r.spec.accepted < r.spec.drafted for r in results)
+    if kind == 'mtp':
+      assert 10 <= sum(r.spec.accepted for r in results) < sum(r.spec.drafted for r in results), k
   if kind == 'ngram' and hybrid.architecture == 'qwen3_5_text':
-    assert partial > 0  # some steps accepted part of their drafts (the random MTP head and the
-    # Qwen3-Next outputs rarely do: test_rollback_equals_recompute covers every acceptance pattern)
+    assert partial > 0  # some steps accepted part of their drafts (Qwen3-Next outputs rarely do:
+    # test_rollback_equals_recompute covers every acceptance pattern)
 
 
 def _forward(model):
@@ -127,16 +150,18 @@ def test_state_slots_memory(qwen35):
   assert one == 2 * len(model.state_shapes) * 4 * (np.prod(ssm) + np.prod(conv))
 
 
-def test_mtp_sampling_matches_plain(hybrid):
-  params = SETTINGS['top-k-top-p']
-  # No EOS (the fixture's EOS ids are sampled at this temperature): every row emits 4 tokens.
-  hybrid = dataclasses.replace(hybrid, generation=dataclasses.replace(hybrid.generation, eos_token_ids=(-1,)))
-  engine = specjax.Engine(hybrid, page_size=4, drafter=make_drafter('mtp', hybrid), max_draft=3)
-  spec = samples(engine, params, seed=1, num_draft=3)
-  plain = samples(specjax.Engine(hybrid, page_size=4), params, seed=2)
-  for position in range(1, 4):
-    assert two_sample_pvalue(spec[:, position], plain[:, position]) > ALPHA, position
-  assert goodness_of_fit_pvalue(spec[:, 1], second_token_law(hybrid, params)) > ALPHA
+def test_mtp_sampling_keeps_the_target_law(hybrid):
+  """The rewired MTP head (`mtp_reader`) drafts with top-k and top-p, one token a step: the first three tokens of
+  1000 requests have the target's exact law (`conftest.emitted_law_pvalue`); verifier mutants fail it (on
+  Qwen3-Next the residual one only at p ~ 1e-6 with these 1000 requests: the acceptance-ratio one there)."""
+  model = mtp_reader(hybrid)
+  engine = specjax.Engine(model, page_size=8, drafter=make_drafter('mtp', model), max_draft=1)
+  prompt = engine.encode(['The cat sat on the mat. The cat'])[0]
+  first = 'residual-not-reduced' if hybrid.architecture == 'qwen3_5_text' else 'ratio-off-by-one'
+  results, _ = assert_target_law(
+      engine, model, prompt, SETTINGS['top-k-top-p'], n=1000, k=1, mutants=[first, 'bonus-from-q']
+  )
+  assert sum(r.spec.accepted for r in results) > 500  # of ~1600 drafts
 
 
 def test_unsupported_combinations():

@@ -11,12 +11,11 @@ from specjax.drafters import get, make_drafter
 from specjax.drafters.base import Drafter
 from specjax.drafters.head import HeadDrafter
 from specjax.step import propose_phase
-from conftest import FIXTURES, RAGGED_PROMPTS, second_token_pvalue
+from conftest import FIXTURES, RAGGED_PROMPTS, assert_target_law, damped_target
 
 LLAMA = f'{FIXTURES}/tiny_llama3'
 HEAD = f'{FIXTURES}/tiny_eagle3'
 QWEN3 = f'{FIXTURES}/tiny_qwen3'
-DFLASH = f'{FIXTURES}/tiny_dflash'
 GREEDY = specjax.SamplingParams()
 
 
@@ -25,24 +24,54 @@ def llama():
   return specjax.load(LLAMA)
 
 
+@pytest.fixture(scope='module')
+def accepted_fallback(tmp_path_factory):
+  """family -> (a target, its drafter options): a fallback drafter that target accepts often, over a target near a
+  bigram model (`conftest.damped_target`): the reader head of `test_eagle3`, the reader draft of `test_dflash`, the
+  rewired MTP head of `test_hybrid_speculative`."""
+  from test_dflash import reader_draft
+  from test_eagle3 import reader_head
+  from test_hybrid_speculative import mtp_reader
+
+  built = {}
+
+  def get(family):
+    if family not in built:
+      path = str(tmp_path_factory.mktemp(family))
+      if family == 'eagle3':
+        target = damped_target(specjax.load(LLAMA), 0.7)
+        built[family] = target, {'draft_model': reader_head(target, path)}
+      elif family == 'dflash':
+        target = damped_target(specjax.load(QWEN3), 0.085)
+        built[family] = target, {'draft_model': reader_draft(path, target)}
+      else:
+        built[family] = mtp_reader(specjax.load(f'{FIXTURES}/tiny_qwen3_5', mtp=True)), {}
+    return built[family]
+
+  return get
+
+
 @pytest.mark.parametrize(
-    'target_path, kind, options',
+    'kind, options',
     [
-        (LLAMA, 'ngram+eagle3', {'draft_model': HEAD}),
-        (LLAMA, 'ngram+eagle3', {'draft_model': HEAD, 'ngram_min': 2}),
-        (LLAMA, 'ngram+eagle3', {'draft_model': HEAD, 'fallback_depth': 2}),
-        (QWEN3, 'ngram+dflash', {'draft_model': DFLASH}),
-        (f'{FIXTURES}/tiny_qwen3_5', 'ngram+mtp', {}),  # recurrent state rolled back whichever drafts ran
+        ('ngram+eagle3', {}),
+        ('ngram+eagle3', {'ngram_min': 2}),
+        ('ngram+eagle3', {'fallback_depth': 2}),
+        ('ngram+dflash', {}),
+        ('ngram+mtp', {}),  # recurrent state rolled back whichever drafts ran
     ],
     ids=['eagle3', 'eagle3-min2', 'eagle3-fallback2', 'dflash', 'mtp-hybrid-target'],
 )
-def test_greedy_equals_autoregressive_every_depth(target_path, kind, options):
-  target = specjax.load(target_path, mtp=kind == 'ngram+mtp')
+def test_greedy_equals_autoregressive(accepted_fallback, kind, options):
+  """K = 1, 3 and 5 (every depth: `test_speculative.py`), fallbacks the target accepts: drafts accepted and
+  rejected in every run."""
+  target, fallback = accepted_fallback(kind.removeprefix('ngram+'))
   reference, _ = specjax.Engine(target, page_size=4).generate(RAGGED_PROMPTS, max_new_tokens=20)
-  engine = specjax.Engine(target, page_size=4, drafter=make_drafter(kind, target, **options), max_draft=5)
-  for k in range(1, 6):
+  engine = specjax.Engine(target, page_size=4, drafter=make_drafter(kind, target, **fallback, **options), max_draft=5)
+  for k in (1, 3, 5):
     results, _ = engine.generate(RAGGED_PROMPTS, max_new_tokens=20, num_draft=k)
     assert [r.tokens for r in results] == [r.tokens for r in reference], k
+    assert 10 <= sum(r.spec.accepted for r in results) < sum(r.spec.drafted for r in results), k
 
 
 def test_tuner_policy_keeps_greedy_output(llama):
@@ -121,28 +150,28 @@ def test_head_after_skipped_steps_drafts_as_if_it_had_drafted(llama, monkeypatch
   assert 'lookup head' in ' '.join(kinds), kinds  # the head drafted after a skipped step
 
 
-@pytest.mark.parametrize('fallback_depth', [0, 1], ids=['head-k2', 'head-k1'])
-def test_sampled_keeps_the_target_law(llama, fallback_depth):
+@pytest.mark.parametrize(
+    'fallback_depth, mutants', [(0, ['residual-not-reduced', 'ratio-off-by-one']), (1, [])], ids=['head-k2', 'head-k1']
+)
+def test_sampled_keeps_the_target_law(accepted_fallback, fallback_depth, mutants):
   """Looked-up rows verify with a one-hot q, head rows with the head's q (of 2 drafts, or 1 padded to the
-  lookup's 2 by `fallback_depth=1`): token 2's law is the target's.
+  lookup's 2 by `fallback_depth=1`): the first three tokens of 1000 requests have the target's exact law
+  (`conftest.emitted_law_pvalue`); verifier mutants fail it.
 
-  One prompt of the even ids below 100, 3000 request ids at temperature 1.5: after a first token among them
-  the lookup drafts, after any other the head; the exact law of token 2 is sum over x1 (not EOS) of
-  p(x1) p(x2 | x1), compared in 12 bins (token id mod 12) by chi^2.
+  The prompt: the even ids below 100, then the target's greedy continuation (it ends in a loop); after a first
+  token in the prompt the lookup drafts (what followed it there, often accepted), after any other the reader
+  head (accepted often too).
   """
-  sampling = specjax.SamplingParams(temperature=1.5, seed=7)
-  drafter = make_drafter('ngram+eagle3', llama, draft_model=HEAD, fallback_depth=fallback_depth)
-  engine = specjax.Engine(llama, page_size=8, drafter=drafter, max_draft=2)
-  n = 3000
-  prompt = list(range(0, 100, 2))  # 50 of the 512 ids
-  results, _ = engine.generate([prompt] * n, max_new_tokens=2, sampling=sampling, num_draft=2)
-  first = np.array([r.tokens[0] for r in results])
-  second = np.array([r.tokens[1] for r in results if len(r.tokens) > 1])  # rows that did not stop at x1
-  seen = np.isin(first, prompt)
-  assert 0.05 < seen.mean() < 0.95, seen.mean()  # both drafters drafted
-  assert sum(r.spec.accepted for r in results) > 10, sum(r.spec.accepted for r in results)
-
-  assert second_token_pvalue(llama, prompt, sampling, second, llama.tokenizer.eos_ids) > 1e-3
+  target, fallback = accepted_fallback('eagle3')
+  greedy, _ = specjax.Engine(target, page_size=8).generate([list(range(0, 100, 2))], max_new_tokens=16)
+  prompt = list(range(0, 100, 2)) + greedy[0].tokens
+  sampling = specjax.SamplingParams(temperature=1.0, seed=7)
+  drafter = make_drafter('ngram+eagle3', target, fallback_depth=fallback_depth, **fallback)
+  engine = specjax.Engine(target, page_size=8, drafter=drafter, max_draft=2)
+  results, _ = assert_target_law(engine, target, prompt, sampling, n=1000, k=2, mutants=mutants)
+  seen = np.isin([r.tokens[0] for r in results], prompt)
+  accepted = np.array([r.spec.accepted for r in results])
+  assert 0.1 < seen.mean() < 0.9 and accepted[seen].sum() > 100 and accepted[~seen].sum() > 300  # both drafters
 
 
 @pytest.mark.parametrize(

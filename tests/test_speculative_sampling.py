@@ -6,7 +6,9 @@ drawn with another seed, by a chi-square two-sample test over the categories
 (pooling categories with few counts). The exact marginal of the second
 generated token (the first one a speculative step emits) is also computed from
 the model and tested against directly. Each test has a false-alarm rate of
-1e-3 (fixed seeds make the outcome deterministic).
+1e-3 (fixed seeds make the outcome deterministic). With drafts the target
+accepts often, the exact law of the first three tokens (`conftest.emitted_law_pvalue`)
+holds, and each mutated verifier (`conftest.VERIFIER_MUTANTS`) fails it.
 """
 
 import numpy as np
@@ -18,7 +20,7 @@ import specjax
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters import make_drafter
-from conftest import cache_step, drafter_options, perturbed_target
+from conftest import VERIFIER_MUTANTS, assert_target_law, cache_step, drafter_options, perturbed_target
 
 ROWS = 1024
 ALPHA = 1e-3
@@ -124,3 +126,16 @@ def test_the_test_has_power(tiny_model, plain_engine):
   law = second_token_law(tiny_model, SETTINGS['plain'])
   biased = samples(plain_engine, specjax.SamplingParams(temperature=0.7), seed=3)
   assert goodness_of_fit_pvalue(biased[:, 1], law) < ALPHA
+
+
+@pytest.mark.parametrize('kind', ['draft-model', 'layer-skip'])
+def test_accepted_drafts_keep_the_exact_law_mutants_break_it(kind, tiny_model):
+  """q close to p (a copy of the target with weight noise 0.01; the target's first 2 layers), one draft a step:
+  token 2 is an accepted draft or a residual draw, token 3 the bonus or the next step's; 1000 requests. Every
+  verifier mutant fails the test."""
+  options = {'draft_model': perturbed_target(0.01)} if kind == 'draft-model' else {'layers': 2}
+  engine = specjax.Engine(tiny_model, page_size=8, drafter=make_drafter(kind, tiny_model, **options), max_draft=1)
+  prompt = engine.encode([PROMPT])[0]
+  sampling = specjax.SamplingParams(temperature=1.0, seed=4)
+  results, _ = assert_target_law(engine, tiny_model, prompt, sampling, n=1000, k=1, mutants=list(VERIFIER_MUTANTS))
+  assert sum(r.spec.accepted for r in results) > {'draft-model': 600, 'layer-skip': 300}[kind]  # of ~1400-1800

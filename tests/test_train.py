@@ -3,6 +3,8 @@ serves the same drafts, the training-time-test unroll is the serving computation
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY
+from conftest import FIXTURES, TINY
 from specjax.errors import SpecjaxError
 
 WORDS = 'the cat sat on a mat and the dog ran to the park while birds sang in trees'.split()
@@ -114,20 +116,47 @@ def test_stop_after_and_time_limit_end_an_invocation_that_resumes(data, trained,
   out = str(tmp_path / 'cut')
   cfg = tmp_path / 'cfg.py'
   cfg.write_text(f'import ml_collections\ndef get_config():\n  return ml_collections.ConfigDict({config(data)!r})\n')
-  assert cli.main(['train', str(cfg), '--out', out, '--quiet', 'train.stop_after=5']) == 0
-  assert capsys.readouterr().out.startswith('trained to step 5 of 12 (rerun to resume) (from step 0)')
+  assert cli.main(['train', str(cfg), '--out', out, 'train.stop_after=5']) == 0
+  captured = capsys.readouterr()
+  assert captured.out.startswith('trained to step 5 of 12 (rerun to resume) (from step 0)')
+  phases = [line for line in captured.err.splitlines() if line.startswith(('target:', 'data:', 'train: steps'))]
+  assert phases == [  # one line per phase before the first step
+      f'target: loading {TINY}',
+      f'data: reading records from {data}',
+      'data: 42 training and 6 eval records; formatting',
+      phases[3],
+      'train: steps 1..5 of 12, 4 rows of 32 tokens a step on 1 device(s); the first step compiles',
+  ], phases
+  assert re.fullmatch(r'data: \d+ packed rows of 32 tokens \([\d,]+ tokens\), \d+ eval rows', phases[3]), phases
   assert [r['step'] for r in train_lines(out) if r['type'] == 'eval'] == [5]
   assert os.path.exists(os.path.join(out, 'export', 'config.json'))
   with open(os.path.join(out, 'manifest.json')) as f:
     manifest = json.load(f)
   assert manifest['steps_done'] == 5 and 'stopped' in manifest and 'finished' not in manifest
-  again = run_training(config(data), out, ['train.stop_after=5'], progress=False)  # already there: no step
-  assert (again['start_step'], again['step']) == (5, 5)
+  assert cli.main(['train', str(cfg), '--out', out, '--quiet', 'train.stop_after=5']) == 0  # already there: no step
+  assert (
+      capsys.readouterr().out
+      == f'already at step 5 of 12 in {out} (train.stop_after); nothing to do until it is raised\n'
+  )
   timed = run_training(config(data), out, ['train.time_limit=1e-9'], progress=False)  # one step, then past it
   assert (timed['start_step'], timed['step']) == (5, 6)
   report = run_training(config(data), out, progress=False)
   assert (report['start_step'], report['step']) == (6, 12)
   assert same(jax.device_get(report['params']), jax.device_get(trained[1]['params']))
+
+
+def test_rerun_of_a_finished_run_says_so(data, trained, tmp_path, capsys):
+  """A rerun of a finished run trains nothing and says so in one line, not `trained 12 steps; loss None`."""
+  from specjax import cli
+
+  out = str(tmp_path / 'again')
+  shutil.copytree(trained[0], out)
+  cfg = tmp_path / 'cfg.py'
+  cfg.write_text(f'import ml_collections\ndef get_config():\n  return ml_collections.ConfigDict({config(data)!r})\n')
+  assert cli.main(['train', str(cfg), '--out', out]) == 0
+  captured = capsys.readouterr()
+  assert captured.out == f'already trained: 12 of 12 steps in {out}; nothing to do (drafter in {out}/export/)\n'
+  assert captured.err.splitlines()[-1] == f'train: {out} is at step 12 of 12 already; no step to run', captured.err
 
 
 def test_export_serves_the_trained_drafter(trained):
@@ -309,7 +338,7 @@ def test_data_parallel_matches_one_device(data, tmp_path):
         (['train.stepz=3'], "unknown config key 'train.stepz'"),
         (['data.path=EMPTY'], 'not enough training data'),
         (['drafter.kind=eagle3', 'drafter.draft_vocab_size=100000'], 'draft_vocab_size=100000 must be in 1..512'),
-        (['drafter.kind=dflash', 'drafter.target_layer_ids=[1,6]'], r'target_layer_ids \[6\] out of range'),
+        (['drafter.kind=dflash', 'drafter.target_layer_ids=[1,6]'], r'target_layer_ids \[1, 6\]: \[6\] outside'),
         (['data.path=MISSING'], 'does not exist'),
         (['drafter.head_from_target=True'], "'drafter.head_from_target' applies to eagle3 and dflash, not mtp"),
         (['drafter.init_from=MISSING'], 'not an exported MTP head'),
@@ -318,22 +347,57 @@ def test_data_parallel_matches_one_device(data, tmp_path):
         (['drafter.kind=eagle3', 'drafter.head_from_target=True', 'drafter.init_from=MISSING'], 'both set the first'),
         (['drafter.tap_scale=True'], "'drafter.tap_scale' applies to eagle3 and dflash, not mtp"),
         (['drafter.kind=eagle3', 'drafter.tap_scale=True', 'drafter.fc_norm=True'], 'drafter.fc_norm normalises'),
+        (  # a 2-layer target: the default taps (1, L/2 - 1, L - 4) = (1, 0, -2), before any data is read
+            ['target.model=LLAMA', 'drafter.kind=eagle3', 'drafter.draft_vocab_size=64', 'drafter.tap_scale=True'],
+            r"the default taps \[1, 0, -2\] \(outputs of layers 1, L/2 - 1, L - 4\): \[-2\] outside the target's 2 "
+            r'layers \(0..1\); set drafter.target_layer_ids',
+        ),
     ],
 )
 def test_bad_config_is_one_error_line(data, tmp_path, capsys, overrides, message):
   from specjax import cli
 
   (tmp_path / 'empty.jsonl').write_text('')
-  overrides = [
-      o.replace('EMPTY', str(tmp_path / 'empty.jsonl')).replace('MISSING', str(tmp_path / 'no.jsonl'))
-      for o in overrides
-  ]
+  paths = {
+      'EMPTY': str(tmp_path / 'empty.jsonl'),
+      'MISSING': str(tmp_path / 'no.jsonl'),
+      'LLAMA': f'{FIXTURES}/tiny_llama3',
+  }
+  for name, path in paths.items():
+    overrides = [o.replace(name, path) for o in overrides]
   cfg = tmp_path / 'cfg.py'
   cfg.write_text(f'import ml_collections\ndef get_config():\n  return ml_collections.ConfigDict({config(data)!r})\n')
   rc = cli.main(['train', str(cfg), '--out', str(tmp_path / 'out'), '--quiet', *overrides])
   err = capsys.readouterr().err.strip().splitlines()
   assert rc == 2 and len(err) == 1 and err[0].startswith('error: '), err
   assert __import__('re').search(message, err[0]), err[0]
+  if 'target.model=' in ' '.join(overrides):  # refused before any data is read or written
+    assert not (tmp_path / 'out').exists()
+
+
+def test_hard_targets_mix_the_argmax_into_the_target():
+  """train.hard_targets=h: the loss's target is (1 - h) p + h one_hot(argmax p), value and gradient."""
+  from specjax.train.losses import soft_ce
+
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.normal(size=(8, 50)), jnp.float32)
+  head = lambda h: h @ w
+  dh, th = (jnp.asarray(rng.normal(size=(2, 7, 8)), jnp.float32) for _ in range(2))
+  valid = jnp.ones((2, 7), bool)
+
+  def plain(dh, h):
+    p = jax.nn.softmax(head(th), axis=-1)
+    p = (1 - h) * p + h * jax.nn.one_hot(jnp.argmax(p, -1), 50)
+    return jnp.sum(-jnp.sum(p * jax.nn.log_softmax(head(dh), axis=-1), axis=-1))
+
+  for h in (0.0, 0.5, 1.0):
+    chunked = lambda dh: soft_ce(head, head, dh, th, valid, chunk=3, hard=h)[0]
+    np.testing.assert_allclose(chunked(dh), plain(dh, h), rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(chunked)(dh), jax.grad(lambda x: plain(x, h))(dh), rtol=1e-4, atol=1e-6)
+  from specjax.train.config import resolve
+
+  with pytest.raises(SpecjaxError, match='hard_targets'):
+    resolve({'data': {'path': 'x.jsonl'}}, ['train.hard_targets=1.5'])
 
 
 def test_soft_ce_value_and_gradient():
@@ -416,6 +480,24 @@ def test_regenerate_caches_the_targets_answers(tmp_path, monkeypatch):
   assert [e.ids for e in again] == [e.ids for e in first]
 
 
+def test_regenerated_answers_are_keyed_by_the_weights(tmp_path):
+  """Weights rewritten at the same path (same architecture and size) are a new target: its own answers, not the
+  cached ones of the model that was there before (a drafter trained on those learns another model)."""
+  from specjax.train.regenerate import cache_path
+  from specjax.train.synthetic import make_synthetic_target
+
+  import specjax
+
+  path = str(tmp_path / 'target')
+  make_synthetic_target(path, 'confident', tokenizer_from=TINY, layers=1, scale=1.0)
+  before = specjax.load(path)
+  make_synthetic_target(path, 'confident', tokenizer_from=TINY, layers=1, scale=8.0)  # same shapes, new head
+  after = specjax.load(path)
+  assert before.num_params == after.num_params and before.weights_fingerprint() != after.weights_fingerprint()
+  assert cache_path(before, {}, str(tmp_path)) != cache_path(after, {}, str(tmp_path))
+  assert cache_path(after, {}, str(tmp_path)) == cache_path(specjax.load(path), {}, str(tmp_path))
+
+
 def test_hybrid_target_trains_one_sequence_per_row(data, tmp_path):
   from specjax.train import run_training
 
@@ -428,8 +510,8 @@ def test_hybrid_target_trains_one_sequence_per_row(data, tmp_path):
   assert manifest['data']['rows'] == 48  # packing is off for recurrent targets: one record per row
 
 
-def test_regenerated_answers_serve_any_subset(tmp_path, monkeypatch):
-  """The cache is per prompt: a subset, or a superset's known part, needs no engine."""
+def test_regenerated_answers_serve_any_subset(tmp_path, monkeypatch, capsys):
+  """The cache is per prompt: a subset, or a superset's known part, needs no engine (and says it is cached)."""
   import specjax
   from specjax.train.regenerate import regenerate
 
@@ -438,5 +520,8 @@ def test_regenerated_answers_serve_any_subset(tmp_path, monkeypatch):
   kwargs = dict(max_new_tokens=3, batch_size=2, cache_dir=str(tmp_path), progress=False)
   full = regenerate(model, prompts, **kwargs)
   monkeypatch.setattr(specjax, 'Engine', None)
-  part = regenerate(model, prompts[2:0:-1], **kwargs)
+  capsys.readouterr()
+  part = regenerate(model, prompts[2:0:-1], **{**kwargs, 'progress': True})
   assert [e.ids for e in part] == [full[2].ids, full[1].ids]
+  (cache,) = os.listdir(tmp_path)
+  assert capsys.readouterr().err == f'regenerate: all 2 answers cached in {tmp_path / cache}\n'

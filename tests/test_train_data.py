@@ -161,3 +161,13 @@ def test_config_checks(tmp_path):
   assert cfg['train.lr'] == 1e-3
   assert cfg.hash == resolve({'data': {'path': 'x.jsonl'}}, ['train.lr=1e-3']).hash  # logging is not the run
   assert cfg.hash != resolve({'data': {'path': 'x.jsonl'}}).hash
+
+
+def test_cut_prompt_keeps_bos_and_the_end():
+  """A long prompt is answered from its end (the question and the generation prompt), after its BOS."""
+  from specjax.train.data import cut_prompt
+
+  assert cut_prompt([2, 10, 11, 12, 13, 14], 4, bos_id=2) == [2, 12, 13, 14]
+  assert cut_prompt([10, 11, 12, 13, 14], 3, bos_id=2) == [12, 13, 14]
+  assert cut_prompt([2, 10, 11], 4, bos_id=2) == [2, 10, 11]
+  assert cut_prompt([2, 10, 11, 12], 4, bos_id=None) == [2, 10, 11, 12]

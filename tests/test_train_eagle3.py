@@ -159,8 +159,8 @@ def test_cached_target_features_train_the_same(tmp_path):
   assert os.path.getmtime(os.path.join(features, 'hidden.npy')) == stamp  # a rerun reads them back
 
 
-def test_target_features_resume_and_refresh(tmp_path):
-  """An interrupted feature pass resumes at its last written row; other rows (data changed) start over."""
+def test_target_features_resume_and_refresh(tmp_path, capsys):
+  """An interrupted feature pass resumes at its last written row (and says so); other rows start over."""
   import specjax
   from specjax.train.data import Packed
   from specjax.train.features import target_features
@@ -180,9 +180,16 @@ def test_target_features_resume_and_refresh(tmp_path):
   mm = np.load(os.path.join(path, 'hidden.npy'), mmap_mode='r+')
   mm[3:] = 0  # rows 3.. lost to a kill
   mm.flush()
-  again = target_features(path, target, rows, (1, 2), batch_size=2, progress=False)
+  capsys.readouterr()
+  again = target_features(path, target, rows, (1, 2), batch_size=2, progress=True)
   for k, v in again.take(np.arange(5)).items():
     np.testing.assert_array_equal(v, want[k])
+  assert capsys.readouterr().err.splitlines() == [
+      f'target features: the target runs over 2 of 5 rows (3 cached) into {path}',
+      'target features: 5/5 rows',
+  ]
+  target_features(path, target, rows, (1, 2), batch_size=2, progress=True)
+  assert capsys.readouterr().err == f'target features: all 5 rows cached in {path}\n'
   other = Packed(tokens[::-1].copy(), rows.positions, rows.segments, rows.loss_mask)
   flipped = target_features(path, target, other, (1, 2), batch_size=2, progress=False)
   np.testing.assert_allclose(flipped.take([0])['target_hidden'], want['target_hidden'][4:5], atol=1e-5)

@@ -64,6 +64,7 @@ class DFlashDrafter(Drafter):
   block_size: int = 16
   mask_token_id: int = 0
   max_depth: int = 15  # block_size - 1
+  default_depth: int | None = None  # min(block_size - 1, 7) from `_build`
   probabilistic: bool = False  # sampled selector paths with q (DFlash 2); else greedy drafts
   provides_q: bool = False  # = probabilistic
   name: str = 'dflash'
@@ -204,6 +205,7 @@ def _build(target, options: DFlashOptions) -> DFlashDrafter:
       block_size=cfg.block_size,
       mask_token_id=cfg.mask_token_id,
       max_depth=cfg.block_size - 1,
+      default_depth=min(cfg.block_size - 1, AUTO_DEPTH_CAP),  # what Engine and `specjax run` draft by default
       probabilistic=probabilistic,
       provides_q=probabilistic,
   )

@@ -73,6 +73,16 @@ class GenerationStats:
     return (self.generated_tokens - self.rows) / self.decode_s if self.decode_s > 0 else 0.0
 
 
+def drafter_default_depth(drafter: Drafter | None) -> int | None:
+  """The K a drafter asks for when none is given, before the engine's cap; None: it names none.
+
+  The drafter's `default_depth`, set at build: a checkpoint's (a Gemma 4
+  assistant's `num_assistant_tokens`), DFlash's min(block_size - 1, 7)
+  (mistral.rs's default; ngram+dflash takes its fallback's).
+  """
+  return drafter.default_depth if drafter is not None else None
+
+
 class Engine:
   """Batched autoregressive generation for one model.
 
@@ -264,9 +274,10 @@ class Engine:
 
     return profiled
 
-  def default_depth(self) -> int:
-    """K when none is given: the drafter's own default (a checkpoint's), capped by `max_draft`; else `max_draft`."""
-    own = self.drafter.default_depth if self.drafter else None
+  def default_depth(self, fallback: int | None = None) -> int:
+    """K when none is given: the drafter's own default (`drafter_default_depth`), else `fallback` (the CLI passes
+    the family's), capped by `max_draft`; else `max_draft`. The one rule `generate` and `specjax run` follow."""
+    own = drafter_default_depth(self.drafter) or fallback
     return min(own, self.max_draft) if own else self.max_draft
 
   def check_depth(self, k: int) -> None:
@@ -292,9 +303,10 @@ class Engine:
   ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates for a batch of prompts (texts or token ids).
 
-    `num_draft` is the draft depth K of each speculative step (default: the
-    drafter's own `default_depth` when its checkpoint names one, else the
-    engine's `max_draft`, when it has a drafter; 0 forces plain decoding), or a
+    `num_draft` is the draft depth K of each speculative step (default:
+    `default_depth()`: the drafter's own when its checkpoint names one, DFlash's
+    min(block_size - 1, 7), else the engine's `max_draft`, when it has a
+    drafter; 0 forces plain decoding), or a
     `specjax.policies.Policy` that picks K before every step from its
     candidates (each compiled once, ahead of the decode clock). `policy_state`
     continues a policy's state from an earlier call (`stats.policy_state`), so

@@ -30,7 +30,6 @@ are causal (z-lab's default) and DFlash 1's never (SpecForge's).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -39,7 +38,14 @@ from flax import nnx
 from specjax.errors import SpecjaxError
 from specjax.loading import fill, resolve, resolve_dtype
 from specjax.loading.eagle3 import rope_to_hf
-from specjax.loading.hf import check_tensor_shapes, read_hf_config, read_safetensors, safetensors_files, safetensors_header
+from specjax.loading.hf import (
+    check_tensor_shapes,
+    read_hf_config,
+    read_safetensors,
+    safetensors_files,
+    safetensors_header,
+    write_checkpoint,
+)
 from specjax.models import dflash
 from specjax.models.dflash import DFlashConfig, DFlashDraft
 from specjax.models.layers import ACTIVATIONS
@@ -225,10 +231,10 @@ def load_dflash(
   dt = resolve_dtype(dtype) if dtype is not None or target.dtype is None else target.dtype
   path, hf = read_config(path_or_hub_id)
   where = os.path.abspath(path)
+  cfg = config_from_hf(hf, target.config, where)  # the architecture and config first, then the weights' headers
   headers = {}
   for f in safetensors_files(path):
     headers.update(safetensors_header(f))  # truncated or corrupt files fail here
-  cfg = config_from_hf(hf, target.config, where)
   stray = [n for n in headers if not cfg.is_dflash2 and any(m in n for m in DFLASH2_MARKERS)]
   if stray:
     raise SpecjaxError(
@@ -295,9 +301,10 @@ def config_to_hf(cfg: DFlashConfig, dtype: str) -> dict[str, Any]:
 
 
 def save_dflash(directory: str, config: DFlashConfig, params: Any) -> None:
-  """Writes config.json + model.safetensors (z-lab / SpecForge layout) in the params' dtype."""
-  from safetensors.numpy import save_file
+  """Writes config.json + model.safetensors (z-lab / SpecForge layout) in the params' dtype.
 
+  Atomically, files 0666 less the umask (`specjax.loading.hf.write_checkpoint`).
+  """
   if len({w for w in config.windows if w is not None}) > 1:
     raise SpecjaxError('cannot export sliding layers with different windows (one sliding_window in the config)')
   if config.causal != _default_causal(config) and len(set(config.causal)) > 1:
@@ -306,11 +313,4 @@ def save_dflash(directory: str, config: DFlashConfig, params: Any) -> None:
     raise SpecjaxError('cannot export a DFlash 2 draft without both its convolutions and its selector')
   pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
   tensors = dflash.params_to_hf(config, pure)
-  hf = config_to_hf(config, str(tensors['fc.weight'].dtype))
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise SpecjaxError(f'{directory} exists and is not a directory')
-  os.makedirs(directory, exist_ok=True)
-  with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
-    json.dump(hf, f, indent=2)
-    f.write('\n')
-  save_file(tensors, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
+  write_checkpoint(directory, {'config.json': config_to_hf(config, str(tensors['fc.weight'].dtype))}, tensors)

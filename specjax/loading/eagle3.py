@@ -29,7 +29,6 @@ Tap ids: the stacks count them differently.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -38,11 +37,19 @@ from flax import nnx
 
 from specjax.errors import SpecjaxError
 from specjax.loading import fill, resolve, resolve_dtype
-from specjax.loading.hf import check_tensor_shapes, read_hf_config, read_safetensors, safetensors_files, safetensors_header
+from specjax.loading.hf import (
+    check_tensor_shapes,
+    read_hf_config,
+    read_safetensors,
+    safetensors_files,
+    safetensors_header,
+    write_checkpoint,
+)
 from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head
 from specjax.models.layers import ACTIVATIONS, Rope
 from specjax.models.llama import attention_fields
+from specjax.taps import EAGLE3_DEFAULT, check_taps, eagle3_default_taps
 
 LAYOUT1_ARCHITECTURES = ('LlamaForCausalLMEagle3', 'Eagle3LlamaForCausalLM')
 SPECULATORS_ARCHITECTURE = 'Eagle3Speculator'
@@ -65,29 +72,23 @@ class Eagle3Checkpoint:
 
 def default_taps(num_layers: int) -> tuple[int, ...]:
   """Outputs of layers 1, L/2 - 1 and L - 4 (the upstream default, in specjax's convention)."""
-  return (1, num_layers // 2 - 1, num_layers - 4)
+  return eagle3_default_taps(num_layers)
 
 
 def _taps(ids: Any, convention: str, num_layers: int, where: str) -> tuple[int, ...]:
   """specjax taps from upstream ids; `convention` 'output' (SGLang) or 'input' (vLLM: id j = output of j - 1)."""
   if ids is None:
-    taps = default_taps(num_layers)
-    if min(taps) < 0:
-      raise SpecjaxError(
-          f'{where}: the default taps (outputs of layers 1, L/2 - 1, L - 4) do not fit a {num_layers}-layer target;'
-          ' the checkpoint must name eagle_aux_hidden_state_layer_ids'
-      )
-    return taps
+    hint = 'the checkpoint must name eagle_aux_hidden_state_layer_ids'
+    return check_taps(
+        default_taps(num_layers), num_layers, f'{where}: the default taps', meaning=EAGLE3_DEFAULT, hint=hint
+    )
   if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
     raise SpecjaxError(f'{where}: eagle_aux_hidden_state_layer_ids must be a list of layer ids, got {ids!r}')
   taps = tuple(i - 1 for i in ids) if convention == 'input' else tuple(ids)
-  if not all(0 <= i < num_layers for i in taps):
-    meaning = 'id j = output of layer j - 1' if convention == 'input' else 'id i = output of layer i'
-    raise SpecjaxError(
-        f'{where}: eagle_aux_hidden_state_layer_ids {ids} ({meaning}) name layer outputs {list(taps)}, '
-        f"outside the target's {num_layers} layers (0..{num_layers - 1})"
-    )
-  return taps
+  meaning = 'id j = output of layer j - 1' if convention == 'input' else 'id i = output of layer i'
+  return check_taps(
+      taps, num_layers, f'{where}: eagle_aux_hidden_state_layer_ids {ids} name layer outputs', meaning=meaning
+  )
 
 
 def _flags(hf: dict, where: str) -> dict[str, bool]:
@@ -310,10 +311,9 @@ def save_eagle3(
 
   Set `config.max_position_embeddings` to the target's context length: SGLang
   and vLLM cap the draft's positions by it, and a small value silently lowers
-  acceptance on long prompts.
+  acceptance on long prompts. Written atomically, files 0666 less the umask
+  (`specjax.loading.hf.write_checkpoint`).
   """
-  from safetensors.numpy import save_file
-
   pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
   tensors = eagle3.params_to_hf(config, pure)
   d2t = np.asarray(d2t)
@@ -328,12 +328,4 @@ def save_eagle3(
     if t2d.shape != (config.vocab_size,):
       raise SpecjaxError(f't2d must have shape [{config.vocab_size}] (vocab_size), got {list(t2d.shape)}')
     tensors['t2d'] = t2d.astype(bool)
-  dtype = str(tensors['fc.weight'].dtype)
-  hf = config_to_hf(config, dtype)
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise SpecjaxError(f'{directory} exists and is not a directory')
-  os.makedirs(directory, exist_ok=True)
-  with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
-    json.dump(hf, f, indent=2)
-    f.write('\n')
-  save_file(tensors, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
+  write_checkpoint(directory, {'config.json': config_to_hf(config, str(tensors['fc.weight'].dtype))}, tensors)

@@ -13,7 +13,6 @@ reads the target's K/V.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -22,7 +21,15 @@ from flax import nnx
 
 from specjax.errors import SpecjaxError
 from specjax.loading import fill, resolve, resolve_dtype
-from specjax.loading.hf import check_tensor_shapes, read_hf_config, read_json, read_safetensors, safetensors_files, safetensors_header
+from specjax.loading.hf import (
+    check_tensor_shapes,
+    read_hf_config,
+    read_json,
+    read_safetensors,
+    safetensors_files,
+    safetensors_header,
+    write_checkpoint,
+)
 from specjax.models import gemma4_assistant as g4a
 from specjax.models.gemma4_assistant import Gemma4Assistant, Gemma4AssistantConfig
 
@@ -195,21 +202,11 @@ def save_gemma4_assistant(directory: str, config: Gemma4AssistantConfig, params:
   Floats in the params' dtype, `token_ordering` int64 (as transformers
   stores it); `load_gemma4_assistant` reads it back as is.
   """
-  from safetensors.numpy import save_file
-
   pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
   tensors = g4a.params_to_hf(config, pure)
   if config.use_ordered_embeddings and not np.array_equal(np.sort(tensors[ORDERING]), np.arange(config.vocab_size)):
     raise SpecjaxError(f'token_ordering is not a permutation of the {config.vocab_size} token ids')
-  hf = config_to_hf(config, str(tensors['model.embed_tokens.weight'].dtype))
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise SpecjaxError(f'{directory} exists and is not a directory')
-  os.makedirs(directory, exist_ok=True)
-  files = {'config.json': hf}
+  files = {'config.json': config_to_hf(config, str(tensors['model.embed_tokens.weight'].dtype))}
   if config.num_assistant_tokens is not None:
     files['generation_config.json'] = {'num_assistant_tokens': config.num_assistant_tokens}
-  for name, obj in files.items():
-    with open(os.path.join(directory, name), 'w', encoding='utf-8') as f:
-      json.dump(obj, f, indent=2)
-      f.write('\n')
-  save_file(tensors, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
+  write_checkpoint(directory, files, tensors)  # atomically, files 0666 less the umask

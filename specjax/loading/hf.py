@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 
 import numpy as np
 
@@ -20,6 +22,62 @@ WEIGHT_PATTERNS = [
     'tokenizer_config.json',
     'special_tokens_map.json',
 ]
+
+
+def _umask() -> int:
+  mask = os.umask(0o022)  # the only way to read it: set, then put back
+  os.umask(mask)
+  return mask
+
+
+EXPORT_FILES = ('config.json', 'generation_config.json', 'model.safetensors')  # what specjax's exports write
+
+
+def write_checkpoint(directory: str, files: dict[str, dict], tensors: dict[str, np.ndarray]) -> None:
+  """Writes `files` (name -> JSON object) and `tensors` (`model.safetensors`) as the directory `directory`.
+
+  Into a temporary sibling first, renamed into place, so a write cut short
+  leaves no partial checkpoint: a new directory appears whole; an earlier
+  export there (nothing but `EXPORT_FILES`, as at every training checkpoint)
+  is replaced whole, and stays as it was if the write fails. A directory with
+  other files keeps them and gets each file renamed in. Files get mode 0666
+  and a new directory 0777, less the umask (as `open` gives; safetensors alone
+  writes 0600).
+  """
+  from safetensors.numpy import save_file
+
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise SpecjaxError(f'{directory} exists and is not a directory')
+  directory = os.path.abspath(directory)  # no trailing separator
+  parent, name = os.path.split(directory)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{name}.', suffix='.tmp')
+  try:
+    for file, obj in files.items():
+      with open(os.path.join(tmp, file), 'w', encoding='utf-8') as f:
+        json.dump(obj, f, indent=2)
+        f.write('\n')
+    save_file(tensors, os.path.join(tmp, 'model.safetensors'), metadata={'format': 'pt'})
+    mask = _umask()
+    for file in os.listdir(tmp):
+      os.chmod(os.path.join(tmp, file), 0o666 & ~mask)
+    os.chmod(tmp, 0o777 & ~mask)
+    if not os.path.isdir(directory):
+      os.rename(tmp, directory)
+    elif set(os.listdir(directory)) <= set(EXPORT_FILES) and directory != os.getcwd():
+      old = tmp[: -len('.tmp')] + '.old'
+      os.rename(directory, old)
+      try:
+        os.rename(tmp, directory)
+      except BaseException:
+        os.rename(old, directory)
+        raise
+      shutil.rmtree(old, ignore_errors=True)
+    else:  # other files live there: each of ours renamed in, the weights last
+      for file in sorted(os.listdir(tmp), key=lambda f: f.endswith('.safetensors')):
+        os.replace(os.path.join(tmp, file), os.path.join(directory, file))
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_json(path: str) -> dict:

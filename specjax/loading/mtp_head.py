@@ -33,17 +33,14 @@ def _describe(target) -> dict:
 
 
 def save_mtp_head(path: str, target, params, *, extra: dict | None = None) -> None:
-  """Writes `params` (an `MTPHead` state for `target`) to the directory `path`."""
-  from safetensors.numpy import save_file
-
+  """Writes `params` (an `MTPHead` state for `target`) to the directory `path` (atomically, files 0666 less the
+  umask: `specjax.loading.hf.write_checkpoint`)."""
+  from specjax.loading.hf import write_checkpoint
   from specjax.models import mtp
   from specjax.models.weights import hf_from_params
 
   pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
   tensors = hf_from_params(lambda t: mtp.params_from_hf(target.config, t), jax.device_get(pure))
-  os.makedirs(path, exist_ok=True)
-  save_file(tensors, os.path.join(path, WEIGHTS + '.tmp'), metadata={'format': 'pt'})
-  os.replace(os.path.join(path, WEIGHTS + '.tmp'), os.path.join(path, WEIGHTS))
   config = {
       'architectures': [ARCHITECTURE],
       'model_type': 'specjax_mtp',
@@ -52,9 +49,7 @@ def save_mtp_head(path: str, target, params, *, extra: dict | None = None) -> No
       'torch_dtype': 'float32',
       **(extra or {}),
   }
-  with open(os.path.join(path, CONFIG), 'w', encoding='utf-8') as f:
-    json.dump(config, f, indent=2)
-    f.write('\n')
+  write_checkpoint(path, {CONFIG: config}, tensors)
 
 
 def load_mtp_head(path: str, target, *, attention_impl: str = 'auto') -> tuple[nnx.GraphDef, nnx.State]:
@@ -65,12 +60,15 @@ def load_mtp_head(path: str, target, *, attention_impl: str = 'auto') -> tuple[n
   from specjax.models import mtp
 
   config_path = os.path.join(path, CONFIG)
-  if not os.path.isfile(config_path) or not os.path.isfile(os.path.join(path, WEIGHTS)):
+  if not os.path.isfile(config_path):
     raise SpecjaxError(f'{path}: not an exported MTP head (needs {CONFIG} and {WEIGHTS})')
   with open(config_path, encoding='utf-8') as f:
     config = json.load(f)
-  if ARCHITECTURE not in config.get('architectures', []):
-    raise SpecjaxError(f'{path}: {CONFIG} is not an MTP head (architectures {config.get("architectures")})')
+  if not isinstance(config, dict) or ARCHITECTURE not in (config.get('architectures') or []):
+    archs = config.get('architectures') if isinstance(config, dict) else None
+    raise SpecjaxError(f'{path}: {CONFIG} is not an MTP head (architectures {archs})')
+  if not os.path.isfile(os.path.join(path, WEIGHTS)):
+    raise SpecjaxError(f'{path}: not an exported MTP head (needs {CONFIG} and {WEIGHTS})')
   want = _describe(target)
   for key in ('target_model_type', 'hidden_size', 'vocab_size', 'tokenizer_fingerprint'):
     if config.get(key) != want[key]:

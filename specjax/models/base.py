@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 
@@ -48,6 +50,17 @@ class Model:
   @property
   def num_params(self) -> int:
     return sum(x.size for x in jax.tree.leaves(self.params))
+
+  def weights_fingerprint(self) -> str:
+    """A hash of every weight's path, shape, dtype and bytes: equal iff the params are (computed once)."""
+    if not hasattr(self, '_weights_fingerprint'):
+      h = hashlib.blake2b(digest_size=12)
+      for path, x in jax.tree_util.tree_flatten_with_path(self.params)[0]:
+        x = np.ascontiguousarray(jax.device_get(x))
+        h.update(f'{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}'.encode())
+        h.update(x.view(np.uint8).reshape(-1))
+      self._weights_fingerprint = h.hexdigest()
+    return self._weights_fingerprint
 
   @property
   def param_bytes(self) -> int:

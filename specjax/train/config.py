@@ -74,6 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
               'seed': 0,
               'ttt_steps': 7,  # training-time-test unroll (eagle3, mtp)
               'ttt_decay': 0.8,  # weight of step i: decay^i
+              'hard_targets': 0.0,  # loss target (1 - h) * p + h * one_hot(argmax p): 0 soft (EAGLE-3's), 1 hard
               'dflash_gamma': 7.0,  # dflash: block row k weighted exp(-(k - 1) / gamma) (SpecForge: 7 for B 16, 4 for B 8)
               'loss_chunk': 256,  # rows per chunk of the vocabulary projection
               'log_every': 10,
@@ -224,6 +225,8 @@ def _check_ranges(v: dict) -> None:
     raise SpecjaxError(f"config key 'train.lr' must be positive, got {v['train.lr']}")
   if not 0 <= v['train.warmup'] <= 1 or not 0 <= v['train.end_lr'] <= 1:
     raise SpecjaxError('config keys train.warmup and train.end_lr are fractions in [0, 1]')
+  if not 0 <= v['train.hard_targets'] <= 1:
+    raise SpecjaxError(f"config key 'train.hard_targets' must be in [0, 1], got {v['train.hard_targets']}")
   if not 0 < v['data.fraction'] <= 1:
     raise SpecjaxError(f"config key 'data.fraction' must be in (0, 1], got {v['data.fraction']}")
   if v['data.max_len'] < 4:

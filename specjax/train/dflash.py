@@ -177,7 +177,7 @@ class DFlashTrainer(DrafterTrainer):
     # One scan over all block rows, k-major, `chunk` rows of the vocabulary projection at a time.
     chunk = max(1, self.chunk // (self.cfg.block_size - 1))
     ce, agree, count, rows = soft_ce(
-        target.logits, target.logits, flat(drafts), flat(th), flat(valid), chunk, by_row=True
+        target.logits, target.logits, flat(drafts), flat(th), flat(valid), chunk, by_row=True, hard=self.hard_targets
     )  # [B - 1] each
     w = jnp.exp(-(ks - 1) / self.gamma)
     return jnp.sum(w * ce) / jnp.maximum(jnp.sum(w * rows), 1e-6), {'ce': ce, 'agree': agree, 'count': count}

@@ -102,7 +102,9 @@ class Eagle3Trainer(DrafterTrainer):
     for i, h in enumerate(self.unroll(params, target, batch, taps)):
       valid = (segments > 0) & (shift(segments, i + 2, -1) == segments) & shift(loss_mask, i + 2, False)
       step_dist = tuple(shift(x, i + 1) for x in dist)
-      ce, agree, count, rows = soft_ce(head.logits, target.logits, h, step_dist, valid, self.chunk, draft_ids)
+      ce, agree, count, rows = soft_ce(
+          head.logits, target.logits, h, step_dist, valid, self.chunk, draft_ids, hard=self.hard_targets
+      )
       total = total + self.decay**i * ce / jnp.maximum(rows, 1.0)
       for name, value in (('ce', ce), ('agree', agree), ('count', count)):
         metrics[name].append(value)

@@ -84,6 +84,14 @@ def target_features(
       for name, (shape, dtype) in shapes.items()
   }
   done = 0 if fresh else int(meta.get('done', 0))
+  if progress:
+    print(
+        f'target features: the target runs over {r - done} of {r} rows ({done} cached) into {path}'
+        if done < r
+        else f'target features: all {r} rows cached in {path}',
+        file=sys.stderr,
+        flush=True,
+    )
   graphdef = target.graphdef
 
   @jax.jit

@@ -66,9 +66,17 @@ def agreement(
   return agree, count
 
 
+def _say(progress: bool, message: str) -> None:
+  """One line on stderr naming a phase of the run (what the next seconds or minutes are spent on)."""
+  if progress:
+    print(message, file=sys.stderr, flush=True)
+
+
 def load_data(cfg: TrainConfig, target, *, progress: bool = True) -> tuple[data_lib.Packed, data_lib.Packed | None]:
   """(training rows, eval rows or None): records read, formatted (or regenerated), packed."""
   d = cfg.section('data')
+  origins = ([d['path']] if d['path'] else []) + list(d['sources'])
+  _say(progress, f'data: reading records from {"; ".join(origins) or "nowhere"}')
   records = data_lib.read_records(d['path'], d['sources'], d['limit'], cfg['train.seed'])
   eval_records = []
   if cfg['eval.prompts']:
@@ -89,7 +97,7 @@ def load_data(cfg: TrainConfig, target, *, progress: bool = True) -> tuple[data_
       from specjax.train.regenerate import regenerate
 
       prompts = [fmt.prompt_ids(r) for r in recs if r.messages and r.prompt]
-      prompts = [p[: d['max_len'] // 2] for p in prompts]
+      prompts = [data_lib.cut_prompt(p, d['max_len'] // 2, target.tokenizer.bos_id) for p in prompts]
       return regenerate(
           target,
           prompts,
@@ -102,11 +110,18 @@ def load_data(cfg: TrainConfig, target, *, progress: bool = True) -> tuple[data_
       ) + [fmt.example(r) for r in recs if r.text is not None]
     return [e for e in (fmt.example(r) for r in recs) if e is not None]
 
+  how = 'the prompts answered by the target (data.regenerate)' if d['regenerate'] else 'formatting'
+  _say(progress, f'data: {len(records)} training and {len(eval_records)} eval records; {how}')
   train = data_lib.pack(examples(records), d['max_len'], pack=pack)
   vocab = target.config.vocab_size
   if len(train) and int(train.tokens.max()) >= vocab:
     raise SpecjaxError(f'data has token id {int(train.tokens.max())} outside the target vocabulary ({vocab})')
   evals = data_lib.pack(examples(eval_records), d['max_len'], pack=pack) if eval_records else None
+  _say(
+      progress,
+      f"data: {len(train)} packed rows of {d['max_len']} tokens ({train.num_tokens:,} tokens)"
+      + (f', {len(evals)} eval rows' if evals is not None else ''),
+  )
   return train, evals
 
 
@@ -269,6 +284,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   b = cfg['train.batch_size']
   if b % len(devices):
     raise SpecjaxError(f'train.batch_size={b} must be a multiple of the {len(devices)} devices')
+  _say(progress, f"target: loading {cfg['target.model']}")
   target = specjax.load(cfg['target.model'], attention_impl=cfg['target.attention_impl'], dtype=cfg['target.dtype'])
   check_config(cfg, target)
   # drafter.init_from: the checkpoint is read and checked against the config once, before any data (it
@@ -282,6 +298,8 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
         f'train.batch_size={b} (data with no learnable tokens is skipped)'
     )
   if trainer is None:
+    if cfg['drafter.tap_scale']:
+      _say(progress, 'drafter: measuring the tap scale on the first training rows')
     trainer = make_trainer(cfg, target, train_rows)
   os.makedirs(out, exist_ok=True)
   features = eval_features = None
@@ -308,6 +326,15 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   state = jax.device_put(state, replicated)
   target_params = jax.device_put(target.params, replicated)
   step_fn, eval_fn = make_steps(trainer, target.graphdef, tx, replicated)
+  end = min(steps, max(cfg['train.stop_after'], start)) if cfg['train.stop_after'] else steps
+  if end > start:
+    _say(
+        progress,
+        f"train: steps {start + 1}..{end} of {steps}{f' (resuming at step {start})' if start else ''}, "
+        f"{b} rows of {cfg['data.max_len']} tokens a step on {len(devices)} device(s); the first step compiles",
+    )
+  elif steps:
+    _say(progress, f'train: {out} is at step {start} of {steps} already; no step to run')
 
   def device_batch(rows: dict) -> dict:
     return {k: jax.make_array_from_callback(v.shape, split, lambda idx, v=v: v[idx]) for k, v in rows.items()}
@@ -326,9 +353,8 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   report = {'out': out, 'start_step': start, 'steps': steps, 'tokens_per_s': None, 'loss': None, 'eval': None}
   # This invocation ends at `end` (train.stop_after) or at the first step past the deadline (train.time_limit);
   # either way with a log line, an eval, a checkpoint and an export, so a rerun resumes.
-  end = min(steps, max(cfg['train.stop_after'], start)) if cfg['train.stop_after'] else steps
   bar = None
-  if progress and steps > start:
+  if progress and end > start:
     from tqdm import tqdm
 
     bar = tqdm(total=steps, initial=start, file=sys.stderr, unit='step', dynamic_ncols=True, desc='train')
@@ -380,7 +406,8 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
         log.flush()
         if bar:
           bar.write(
-              f"step {done}: eval agreement {[round(a, 3) for a in report['eval']['agree']]}, τ ≈ {report['eval']['tau']:.2f}"
+              f"step {done}: eval agreement {[round(a, 3) for a in report['eval']['agree']]}, τ ≈ {report['eval']['tau']:.2f}",
+              file=sys.stderr,  # with the bar: stdout holds the result line only
           )
         window['t0'] = time.perf_counter()
       if (save_every and done % save_every == 0) or last:

@@ -153,6 +153,7 @@ def soft_ce(
     chunk: int,
     draft_ids: jax.Array | None = None,  # [V'] target id of each draft-vocabulary id (None: the same vocabulary)
     by_row: bool = False,
+    hard: float = 0.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Soft cross-entropy against the target distribution: (summed CE, agreements, predictions, CE rows).
 
@@ -161,7 +162,10 @@ def soft_ce(
   With a draft vocabulary the target distribution is its softmax restricted to
   `draft_ids`, and a row counts for the loss only where the target's argmax is
   among them; agreement (the drafted target id = the target's argmax) counts
-  every valid row. The vocabulary projection runs `chunk` positions at a time,
+  every valid row. `hard` in [0, 1] mixes the target's argmax into its
+  distribution, (1 - hard) * p + hard * one_hot(argmax p): the token greedy
+  verification accepts, whose share of the loss does not shrink when p is
+  flat. The vocabulary projection runs `chunk` positions at a time,
   so [B, T, V] logits never exist at once. Each chunk computes its gradient with
   respect to `draft_hidden` in the forward pass, (softmax(q) - p) pulled back
   through the head, and enters the loss through a term linear in
@@ -180,6 +184,8 @@ def soft_ce(
     q_logits, pullback = jax.vjp(lambda x: draft_logits(x).astype(jnp.float32), fixed)
     logq = jax.nn.log_softmax(q_logits, axis=-1)
     p, in_draft, best = target if given else _target_chunk(target_logits, target, draft_ids)
+    if hard:
+      p = (1.0 - hard) * p + hard * jax.nn.one_hot(jnp.argmax(p, axis=-1), p.shape[-1], dtype=p.dtype)
     drafted = jnp.argmax(q_logits, axis=-1)
     if draft_ids is not None:
       drafted = draft_ids[drafted]

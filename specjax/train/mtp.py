@@ -61,7 +61,9 @@ class MTPTrainer(DrafterTrainer):
     for i, h in enumerate(self.unroll(params, target, batch, hidden)):
       # Row t predicts token t + i + 2 from the target's distribution at row t + i + 1, within its sequence.
       valid = (segments > 0) & (shift(segments, i + 2, -1) == segments) & shift(loss_mask, i + 2, False)
-      ce, agree, count, _ = soft_ce(target.logits, target.logits, h, shift(hidden, i + 1), valid, self.chunk)
+      ce, agree, count, _ = soft_ce(
+          target.logits, target.logits, h, shift(hidden, i + 1), valid, self.chunk, hard=self.hard_targets
+      )
       total = total + self.decay**i * ce / jnp.maximum(count, 1.0)
       for name, value in (('ce', ce), ('agree', agree), ('count', count)):
         metrics[name].append(value)

@@ -3,7 +3,9 @@
 Prompts (each record's messages up to its first user turn, formatted as for
 training) are answered in batches through `Engine.generate`. The answers are
 cached on disk once per prompt, in a file keyed by the target (source,
-architecture, parameter count, tokenizer) and the settings:
+architecture, parameter count, a hash of its weights, tokenizer) and the
+settings (weights rewritten at the same path are a new target, never served
+another model's answers):
 `<cache>/<key>.jsonl`, one line per prompt, appended batch by batch. An
 interrupted regeneration continues where it stopped, and any other set of
 prompts (a data-size ablation, more data) reuses every answer already there.
@@ -26,6 +28,7 @@ def cache_path(target, settings: dict, cache_dir: str | None) -> str:
   key = stable_hash(
       {
           'target': [os.path.abspath(target.source), target.architecture, target.num_params, str(target.dtype)],
+          'weights': target.weights_fingerprint(),
           'tokenizer': target.tokenizer.fingerprint(),
           'settings': settings,
       },
@@ -71,6 +74,15 @@ def regenerate(
   for i, p in enumerate(prompts):
     first.setdefault(tuple(p), i)
   todo = sorted(set(first) - set(answers), key=first.get)
+  if progress:
+    cached = len(first) - len(todo)
+    print(
+        f'regenerate: the target answers {len(todo)} of {len(first)} prompts ({cached} cached in {path})'
+        if todo
+        else f'regenerate: all {len(first)} answers cached in {path}',
+        file=sys.stderr,
+        flush=True,
+    )
   if todo:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'w', encoding='utf-8') as f:  # rewrite the complete lines, drop a torn one

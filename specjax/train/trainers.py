@@ -33,6 +33,7 @@ class DrafterTrainer:
   taps: tuple[int, ...] = ()  # target layers whose residuals the loss reads
   start: Any = None  # params read from `drafter.init_from` (None: `init`)
   tap_scale: Any = None  # [n * D] float32: `fc` is trained on taps / tap_scale (`drafter.tap_scale`), else None
+  hard_targets: float = 0.0  # share of the target's argmax in the loss's target distribution (`train.hard_targets`)
 
   def init(self, key) -> Any:
     raise NotImplementedError
@@ -107,15 +108,24 @@ def check_fields(where: str, loaded, configured, fields: tuple[str, ...], hint: 
     raise SpecjaxError(f'drafter.init_from {where} differs from this config: {"; ".join(diff)}; {hint}')
 
 
-def check_taps(layer_ids: list[int], num_layers: int) -> None:
-  bad = [i for i in layer_ids if not isinstance(i, int) or not 0 <= i < num_layers]
-  if bad:
-    raise SpecjaxError(f'drafter.target_layer_ids {bad} out of range: the target has layers 0..{num_layers - 1}')
+def check_taps(config, num_layers: int) -> tuple[int, ...] | None:
+  """The taps `config` asks of a `num_layers`-layer target (explicit, or EAGLE-3's default), each checked to be one
+  of its layers (`specjax.taps.check_taps`, the loaders' check); None: the family's own default (checked by it)."""
+  from specjax.taps import EAGLE3_DEFAULT, check_taps as check, eagle3_default_taps
+
+  ids = config['drafter.target_layer_ids']
+  if ids:
+    return check(ids, num_layers, 'drafter.target_layer_ids')
+  if config['drafter.kind'] == 'eagle3':
+    what = 'drafter.kind eagle3: the default taps'
+    hint = 'set drafter.target_layer_ids'
+    return check(eagle3_default_taps(num_layers), num_layers, what, meaning=EAGLE3_DEFAULT, hint=hint)
+  return None
 
 
 def check_config(config, target) -> None:
   """What a config asks of the target (taps in range, a draft vocabulary within the target's): before any data."""
-  check_taps(config['drafter.target_layer_ids'], target.config.num_layers)
+  check_taps(config, target.config.num_layers)
   vocab, draft_vocab = target.config.vocab_size, config['drafter.draft_vocab_size']
   if config['drafter.kind'] == 'eagle3' and not 1 <= draft_vocab <= vocab:
     raise SpecjaxError(f'drafter.draft_vocab_size={draft_vocab} must be in 1..{vocab} (the target vocabulary)')
@@ -129,6 +139,7 @@ def make_trainer(config, target, data) -> DrafterTrainer:
   """The trainer of `config['drafter.kind']` for `target` (a loaded Model) and the packed training rows."""
   check_config(config, target)
   trainer = TRAINERS[config['drafter.kind']](config, target, data)
+  trainer = dataclasses.replace(trainer, hard_targets=config['train.hard_targets'])
   if config['drafter.tap_scale']:
     from specjax.train.features import tap_scale
 
