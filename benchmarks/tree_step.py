@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT))
 import specjax  # pylint: disable=g-import-not-at-top
 from specjax.drafters import make_drafter
 from specjax.loading import resolve_dtype
-from specjax.loading.eagle3 import Eagle3Checkpoint, default_taps, load_eagle3
+from specjax.loading.eagle3 import Eagle3Checkpoint, load_eagle3
 from specjax.models.eagle3 import Eagle3Head
+from specjax.taps import eagle3_default_taps
 from specjax.train.config import resolve
 from specjax.train.eagle3 import head_config
 
@@ -65,7 +66,7 @@ def gemma3_270m_random(dtype: str | None = None):
 def random_head(model, draft_vocab: int = 16000) -> Eagle3Checkpoint:
   """A random head shaped as `specjax train` shapes one for this target."""
   config = resolve(ROOT / 'configs' / 'train_eagle3_gemma3_270m.py', {'drafter.draft_vocab_size': draft_vocab})
-  cfg = head_config(config, model, default_taps(len(model.kv_shapes)))
+  cfg = head_config(config, model, eagle3_default_taps(len(model.kv_shapes)))
   graphdef, params = nnx.split(Eagle3Head(cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
   return Eagle3Checkpoint(cfg, graphdef, params, np.zeros(draft_vocab, np.int32), None, 'random')
 

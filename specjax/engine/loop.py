@@ -73,16 +73,6 @@ class GenerationStats:
     return (self.generated_tokens - self.rows) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def drafter_default_depth(drafter: Drafter | None) -> int | None:
-  """The K a drafter asks for when none is given, before the engine's cap; None: it names none.
-
-  The drafter's `default_depth`, set at build: a checkpoint's (a Gemma 4
-  assistant's `num_assistant_tokens`), DFlash's min(block_size - 1, 7)
-  (mistral.rs's default; ngram+dflash takes its fallback's).
-  """
-  return drafter.default_depth if drafter is not None else None
-
-
 class Engine:
   """Batched autoregressive generation for one model.
 
@@ -275,9 +265,10 @@ class Engine:
     return profiled
 
   def default_depth(self, fallback: int | None = None) -> int:
-    """K when none is given: the drafter's own default (`drafter_default_depth`), else `fallback` (the CLI passes
-    the family's), capped by `max_draft`; else `max_draft`. The one rule `generate` and `specjax run` follow."""
-    own = drafter_default_depth(self.drafter) or fallback
+    """K when none is given: the drafter's own `default_depth` (set at build: a checkpoint's, DFlash's
+    min(block_size - 1, 7)), else `fallback` (the CLI passes the family's), capped by `max_draft`; else
+    `max_draft`. The one rule `generate` and `specjax run` follow."""
+    own = (self.drafter.default_depth if self.drafter else None) or fallback
     return min(own, self.max_draft) if own else self.max_draft
 
   def check_depth(self, k: int) -> None:

@@ -70,17 +70,12 @@ class Eagle3Checkpoint:
     return nnx.merge(self.graphdef, self.params)
 
 
-def default_taps(num_layers: int) -> tuple[int, ...]:
-  """Outputs of layers 1, L/2 - 1 and L - 4 (the upstream default, in specjax's convention)."""
-  return eagle3_default_taps(num_layers)
-
-
 def _taps(ids: Any, convention: str, num_layers: int, where: str) -> tuple[int, ...]:
   """specjax taps from upstream ids; `convention` 'output' (SGLang) or 'input' (vLLM: id j = output of j - 1)."""
   if ids is None:
     hint = 'the checkpoint must name eagle_aux_hidden_state_layer_ids'
     return check_taps(
-        default_taps(num_layers), num_layers, f'{where}: the default taps', meaning=EAGLE3_DEFAULT, hint=hint
+        eagle3_default_taps(num_layers), num_layers, f'{where}: the default taps', meaning=EAGLE3_DEFAULT, hint=hint
     )
   if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
     raise SpecjaxError(f'{where}: eagle_aux_hidden_state_layer_ids must be a list of layer ids, got {ids!r}')

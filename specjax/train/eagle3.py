@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.taps import eagle3_default_taps
 from specjax.train.features import from_batch
 from specjax.train.losses import segment_mask, shift, soft_ce, target_distribution, target_features, ttt_attention
 from specjax.train.trainers import DrafterTrainer, check_fields, final_norm_weight
@@ -182,12 +183,11 @@ def head_config(config, target, taps: tuple[int, ...]):
 
 def make(config, target, data) -> Eagle3Trainer:
   from specjax.errors import SpecjaxError
-  from specjax.loading.eagle3 import default_taps
   from specjax.models.eagle3 import Eagle3Head
 
   if config['drafter.layers'] != 1:
     raise SpecjaxError(f"drafter.kind eagle3 has one decoder layer (drafter.layers=1), got {config['drafter.layers']}")
-  taps = tuple(config['drafter.target_layer_ids']) or default_taps(target.config.num_layers)
+  taps = tuple(config['drafter.target_layer_ids']) or eagle3_default_taps(target.config.num_layers)
   cfg = head_config(config, target, taps)
   start = None
   if config['drafter.init_from']:  # fine-tuning: the checkpoint's head, vocabulary map and RoPE
