@@ -4,6 +4,8 @@ specjax generate -m MODEL --prompt TEXT [--prompt-file F [--prompts-per-line]] [
                  [--temperature T --top-k K --top-p P --min-p M --seed S] [--json]
 specjax run -m TARGET [--drafter FAMILY | --mtp] [--draft-model PATH] [--n-predict K] [generate's flags]
 specjax bench -m TARGET [--drafter FAMILY | --mtp] [--prompts FILE.jsonl] [--depths K ...]
+specjax serve -m TARGET [run's drafter flags | --no-spec] [--host 127.0.0.1] [--port 8000] [--max-slots 8]
+              [--api-key KEY] [--served-model-name NAME]
 specjax sweep CONFIG [--out DIR] [KEY=VALUE ...]
 specjax train CONFIG --out DIR [KEY=VALUE ...]
 
@@ -284,51 +286,108 @@ def default_depth(args) -> int:
   return get(drafter_kind(args)).default_depth
 
 
-def load_engine(args):
-  """(model, engine, drafter options) for the flags; bad drafter options fail before any weight is read."""
+def load_engine(args, drafting: bool = True):
+  """(model, engine, drafter options) for the flags; bad drafter options fail before any weight is read.
+
+  `drafting=False`: the engine has no drafter (options None).
+  """
   import specjax
   from specjax.drafters import get, make_drafter
 
-  kind = drafter_kind(args)
-  family = get(kind)
-  options = family.make_options(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(family.options)})
-  heads = {h: True for h in family.heads_for(options)}  # e.g. mtp=True: the target loads its MTP head
+  family = options = None
+  if drafting:
+    kind = drafter_kind(args)
+    family = get(kind)
+    options = family.make_options(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(family.options)})
+  heads = {h: True for h in family.heads_for(options)} if family else {}  # e.g. mtp=True: its MTP head too
   model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **heads)
   engine = specjax.Engine(
       model,
       page_size=args.page_size,
       num_pages=args.num_pages,
       max_seq_len=args.max_seq_len,
-      drafter=make_drafter(kind, model, options),
+      drafter=make_drafter(kind, model, options) if drafting else None,
       max_draft=max(args.max_draft, args.n_predict or 0),
       profile=getattr(args, 'profile', False),
   )
   return model, engine, options
 
 
-def cmd_run(args) -> int:
-  prompts = read_prompts(args)
-  sampling = sampling_from_args(args)
+def depth_flag(args) -> int:
+  """K from --n-predict or the drafter family's default, checked before any model is read."""
   k = default_depth(args) if args.n_predict is None else args.n_predict
   if k < 1:
     raise SpecjaxError(f'--n-predict must be at least 1, got {k}')
-  if args.max_new_tokens < 1:
-    raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
-  model, engine, options = load_engine(args)
-  if args.n_predict is None:  # the drafter's own default or else the family's, capped: what Engine.generate uses
+  return k
+
+
+def depth_policy(args, engine, options, k: int):
+  """What the engine drafts at: K (the drafter's own default or else the family's when --n-predict is not given,
+  capped: what Engine.generate uses), or the --policy / SPECJAX_POLICY depth policy."""
+  if args.n_predict is None:
     k = engine.default_depth(fallback=k)
-  depth = k
   if args.policy or os.environ.get('SPECJAX_POLICY'):
     from specjax.policies import make_policy
 
-    depth = make_policy(
+    return make_policy(
         args.policy or 'fixed',
         family=engine.drafter.name,
         k=args.n_predict,
         options=options,
         max_depth=engine.max_draft,
     )
-  return _generate_and_print(args, model, engine, prompts, sampling, num_draft=depth)
+  return k
+
+
+def cmd_run(args) -> int:
+  prompts = read_prompts(args)
+  sampling = sampling_from_args(args)
+  k = depth_flag(args)
+  if args.max_new_tokens < 1:
+    raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
+  model, engine, options = load_engine(args)
+  return _generate_and_print(args, model, engine, prompts, sampling, num_draft=depth_policy(args, engine, options, k))
+
+
+SERVE_EXTRA = 'pip install -e ".[serve]" in a specjax clone, or pip install "specjax[serve]"'
+API_KEY_ENV = 'SPECJAX_API_KEY'
+
+
+def cmd_serve(args) -> int:
+  try:
+    import uvicorn
+
+    from specjax import serve
+  except ImportError as e:
+    raise SpecjaxError(f'serving needs fastapi, uvicorn and jinja2 ({e.name} is missing): {SERVE_EXTRA}') from None
+  from specjax.engine.scheduler import Scheduler
+
+  if args.max_slots < 1:
+    raise SpecjaxError(f'--max-slots must be at least 1, got {args.max_slots}')
+  if not 0 < args.port < 65536:
+    raise SpecjaxError(f'--port must be in 1..65535, got {args.port}')
+  api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+  if args.no_spec and (args.drafter or args.draft_model or args.mtp or args.n_predict or args.policy):
+    raise SpecjaxError('--no-spec serves without a drafter; drop the drafter flags')
+  k = None if args.no_spec else depth_flag(args)
+  model, engine, options = load_engine(args, drafting=not args.no_spec)
+  depth = 0 if args.no_spec else depth_policy(args, engine, options, k)
+  scheduler = Scheduler(
+      engine, max_slots=args.max_slots, num_pages=args.num_pages, max_seq_len=args.max_seq_len, num_draft=depth
+  )
+  name = args.served_model_name or args.model
+  app = serve.app(scheduler, api_key=api_key, model_name=name)
+  host = f'[{args.host}]' if ':' in args.host else args.host
+  if api_key is None and args.host not in ('127.0.0.1', 'localhost', '::1'):
+    print(f'warning: serving on {args.host} without an API key (--api-key or {API_KEY_ENV})', file=sys.stderr)
+  scheduler.start()
+  try:
+    drafter = f'drafter {engine.drafter.name}' if engine.drafter else 'no drafter'
+    print(f'specjax serve: {name} ({drafter}, {args.max_slots} slots) at http://{host}:{args.port}/v1', flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+  finally:
+    scheduler.stop()
+  return 0
 
 
 def cmd_bench(args) -> int:
@@ -434,6 +493,21 @@ def build_parser() -> argparse.ArgumentParser:
   _add_generation_args(run)
   _add_drafter_args(run)
   run.set_defaults(func=cmd_run)
+  serve = sub.add_parser('serve', help='an OpenAI-compatible HTTP server (continuous batching; the serve extra)')
+  _add_model_args(serve)
+  _add_drafter_args(serve)
+  serve.add_argument('--no-spec', action='store_true', help='no drafter: every request decodes autoregressively')
+  serve.add_argument('--host', default='127.0.0.1', help='address to bind (default: this machine only)')
+  serve.add_argument('--port', type=int, default=8000)
+  serve.add_argument('--max-slots', type=int, default=8, help='requests decoded together (batch rows)')
+  serve.add_argument(
+      '--api-key',
+      default=None,
+      help=f'clients must send Authorization: Bearer KEY (default: ${API_KEY_ENV}, else none)',
+  )
+  serve.add_argument('--served-model-name', default=None, help='the model name clients send (default: -m as given)')
+  serve.add_argument('--log-level', default='warning', choices=('critical', 'error', 'warning', 'info', 'debug'))
+  serve.set_defaults(func=cmd_serve)
   bench = sub.add_parser('bench', help='autoregressive vs speculative on a prompt set, per category')
   _add_model_args(bench)
   _add_drafter_args(bench)

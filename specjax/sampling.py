@@ -29,6 +29,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.errors import SpecjaxError
 
@@ -85,6 +86,65 @@ class SamplingParams:
     if not 0 <= self.seed <= MAX_SEED:
       raise bad('seed', f'in [0, {MAX_SEED}]')
     return self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+  """Each row's own sampling settings, as arrays: a batch that mixes requests (the scheduler's slots).
+
+  Accepted wherever a `SamplingParams` is: the functions below apply row b's
+  settings to row b of `logits` (its leading axis). `is_greedy` is static:
+  True when every row is greedy (the greedy executables); rows with
+  temperature 0 in a mixed batch still draw their argmax.
+  """
+
+  temperature: jax.Array  # [B] float32, 0 = greedy
+  top_k: jax.Array  # [B] int32, 0 = off
+  top_p: jax.Array  # [B] float32, 1 = off
+  min_p: jax.Array  # [B] float32, 0 = off
+  seed: jax.Array  # [B] int32
+  is_greedy: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  def validate(self) -> 'RowSampling':
+    return self  # each request's SamplingParams is validated when it is submitted
+
+  @classmethod
+  def of(cls, params: 'list[SamplingParams]', is_greedy: bool = False) -> 'RowSampling':
+    """Host arrays for a list of per-row settings (`is_greedy` stays False unless given: states keep it so)."""
+    col = lambda name, dtype: np.asarray([getattr(p, name) for p in params], dtype)
+    return cls(
+        col('temperature', np.float32),
+        col('top_k', np.int32),
+        col('top_p', np.float32),
+        col('min_p', np.float32),
+        col('seed', np.int32),
+        is_greedy,
+    )
+
+
+def _rows(x: jax.Array, like: jax.Array) -> jax.Array:  # [B] -> [B, 1, ..., 1] (like's rank)
+  if x.shape[0] != like.shape[0]:
+    raise ValueError(f'per-row settings for {x.shape[0]} rows, logits {like.shape}')
+  return x.reshape(x.shape + (1,) * (like.ndim - 1))
+
+
+def _transform_rows(logits: jax.Array, params: RowSampling) -> jax.Array:
+  """`transform_logits` with row b's settings on logits[b]."""
+  vocab = logits.shape[-1]
+  greedy = _rows(params.temperature, logits) == 0
+  top = _keep(logits, jnp.arange(vocab) == argmax(logits)[..., None])
+  logits = logits / jnp.where(greedy, 1.0, _rows(params.temperature, logits))
+  top_k = jnp.where((params.top_k > 0) & (params.top_k < vocab), params.top_k, vocab)
+  cut_k = lambda x: _top_k(x, _rows(top_k, x))
+  logits = jax.lax.cond(jnp.any(top_k < vocab), cut_k, lambda x: x, logits)
+  top_p = _rows(params.top_p, logits)
+  cut_p = lambda x: jnp.where(top_p < 1.0, _top_p(x, top_p), x)
+  logits = jax.lax.cond(jnp.any(params.top_p < 1.0), cut_p, lambda x: x, logits)
+  min_p = _rows(params.min_p, logits)
+  probs_ = jax.nn.softmax(logits, axis=-1)
+  logits = _keep(logits, (min_p <= 0.0) | (probs_ >= min_p * probs_.max(-1, keepdims=True)))
+  return jnp.where(greedy, top, logits)
 
 
 def _keep(logits: jax.Array, keep: jax.Array) -> jax.Array:
@@ -150,6 +210,8 @@ def transform_logits(
   """Temperature, then top-k, top-p and min-p; greedy keeps only the argmax."""
   params.validate()
   logits = logits.astype(jnp.float32)
+  if isinstance(params, RowSampling):
+    return _transform_rows(logits, params)
   vocab = logits.shape[-1]
   if params.is_greedy:
     top = argmax(logits)[..., None]
@@ -223,8 +285,11 @@ def row_keys(
   Callers needing several independent draws at one position (drafting,
   accept uniforms, residual, bonus) use distinct `stream` values.
   """
+  seed = jnp.asarray(seed, jnp.int32)
+  if seed.ndim and seed.ndim < jnp.ndim(seq_ids):  # per-row seeds [B] with [B, 1] ids
+    seed = seed.reshape(seed.shape + (1,) * (jnp.ndim(seq_ids) - seed.ndim))
   seed, seq_ids, positions = jnp.broadcast_arrays(
-      jnp.asarray(seed, jnp.int32), jnp.asarray(seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32)
+      seed, jnp.asarray(seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32)
   )
 
   def fold(seed, seq_id, position):

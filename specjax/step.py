@@ -48,6 +48,8 @@ class DecodeState:
   seq_ids: jax.Array  # [B] ids that seed each row's random draws
   tokens: jax.Array  # [B, C] every token of each row (prompt + generated), for drafters
   drafter: Any = ()  # the drafter's own state pytree
+  row_sampling: Any = None  # the scheduler's slots: each row's `RowSampling` ([B] arrays)
+  row_eos: Any = None  # the scheduler's slots: each row's EOS ids [B, E] (-1 pads; none: ignore EOS)
 
 
 # ---------------------------------------------------------------- prefill and plain decoding
@@ -65,17 +67,40 @@ def prefill_chunk(graphdef, params, cache, tokens, query_lens, last_hidden, taps
   return cache, jnp.where((query_lens > 0)[:, None], chunk_last, last_hidden), hidden, tapped
 
 
-def emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams):
-  """Samples each active row's next token from `hidden` [B, D] and updates `state`."""
+def emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams, logprobs: bool = False):
+  """Samples each active row's next token from `hidden` [B, D] and updates `state`.
+
+  `logprobs=True` returns (state, the target's log-probability of each row's token [B]).
+  """
   logits = model.logits(hidden).astype(jnp.float32)
   keys = sampling_lib.row_keys(sampling.seed, state.seq_ids, state.cache.lengths)
   tokens = sampling_lib.sample(logits, sampling, keys)
   tokens = jnp.where(state.active, tokens, state.last_tokens)
   num_generated = state.num_generated + state.active
-  is_eos = jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
-  active = state.active & ~is_eos & (num_generated < state.max_new)
+  active = state.active & ~is_eos(tokens, eos_ids) & (num_generated < state.max_new)
   buffer = write_tokens(state.tokens, tokens[:, None], state.cache.lengths, state.active.astype(jnp.int32))
-  return dataclasses.replace(state, last_tokens=tokens, active=active, num_generated=num_generated, tokens=buffer)
+  state = dataclasses.replace(state, last_tokens=tokens, active=active, num_generated=num_generated, tokens=buffer)
+  return (state, token_logprobs(logits, tokens)) if logprobs else state
+
+
+def is_eos(
+    tokens: jax.Array,  # [B, ...]
+    eos_ids: jax.Array,  # [E], or [B, E] per row (-1 pads)
+) -> jax.Array:  # [B, ...] bool
+  eos = (
+      eos_ids.reshape(eos_ids.shape[:1] + (1,) * (tokens.ndim - 1) + eos_ids.shape[1:])
+      if eos_ids.ndim == 2
+      else eos_ids
+  )
+  return jnp.any(tokens[..., None] == eos, axis=-1)
+
+
+def token_logprobs(
+    logits: jax.Array,  # [B, ..., V]
+    tokens: jax.Array,  # [B, ...]
+) -> jax.Array:  # [B, ...] float32
+  """log p(token) under the target's raw (temperature 1) distribution."""
+  return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], axis=-1)[..., 0]
 
 
 def drafter_prefill(graphdef, params, dparams, dstate, tokens, query_lens, hidden, taps, drafter):
@@ -125,8 +150,11 @@ def propose_phase(graphdef, params, dparams, state, *, drafter, k: int, sampling
   return dataclasses.replace(state, cache=prop.cache, drafter=prop.state), prop
 
 
-def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k: int, sampling):
-  """Verifies a proposal in one target pass over K + 1 positions and commits what each row accepted."""
+def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k: int, sampling, logprobs=False):
+  """Verifies a proposal in one target pass over K + 1 positions and commits what each row accepted.
+
+  `logprobs=True` appends the target's log-probability of each emitted token, [B, K + 1].
+  """
   target = nnx.merge(graphdef, params)
   old_len = state.cache.lengths
   if prop.parents is None:
@@ -134,13 +162,14 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
     hidden, cache, taps = append(target, block, state.cache, jnp.where(state.active, k + 1, 0), taps=drafter.taps)
     logits = target.logits(hidden).astype(jnp.float32)  # [B, K + 1, V]
     n_accepted, out = verify(logits, prop.drafts, prop.draft_lens, prop.q, sampling, state.seq_ids, old_len + 1)
+    lp = token_logprobs(logits, out) if logprobs else None
   else:
-    n_accepted, out, path, hidden, cache, taps = verify_tree_block(target, state, prop, drafter, k, sampling)
+    n_accepted, out, path, hidden, cache, taps, lp = verify_tree_block(target, state, prop, drafter, k, sampling)
   hidden = hidden if drafter.reads_hidden else None
 
   steps = jnp.arange(k + 1)
-  is_eos = jnp.any(out[..., None] == eos_ids[None, None, :], axis=-1) & (steps[None, :] <= n_accepted[:, None])
-  first_eos = jnp.min(jnp.where(is_eos, steps[None, :], k + 1), axis=1)
+  eos = is_eos(out, eos_ids) & (steps[None, :] <= n_accepted[:, None])
+  first_eos = jnp.min(jnp.where(eos, steps[None, :], k + 1), axis=1)
   budget = state.max_new - state.num_generated
   emitted = jnp.minimum(jnp.minimum(n_accepted + 1, first_eos + 1), budget)
   emitted = jnp.where(state.active, emitted, 0)
@@ -167,11 +196,14 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
       drafter=dstate,
   )
   accepted = jnp.where(emitted > 0, n_accepted, 0)
-  return state, (out, emitted, accepted, prop.draft_lens, active, prop.drafts)
+  outputs = (out, emitted, accepted, prop.draft_lens, active, prop.drafts)
+  return state, outputs + (lp,) if logprobs else outputs
 
 
 def verify_tree_block(target, state: DecodeState, prop, drafter, k: int, sampling):
   """Verifies a draft tree (`prop.parents`) in one target pass over the root and its N nodes.
+
+  Also returns the target's log-probability of each emitted token along the path, [B, K + 1].
 
   Node i of the block (0 = the root, the last token) sits at position
   `length + depth(i)`, is written to slot `length + i` and attends to the
@@ -192,7 +224,8 @@ def verify_tree_block(target, state: DecodeState, prop, drafter, k: int, samplin
       logits, block, parents, num_nodes, q, sampling, state.seq_ids, state.cache.lengths + 1, max_depth=k
   )
   along = lambda x: jnp.take_along_axis(x, path[:, :, None], axis=1)  # [B, N + 1, D] -> [B, K + 1, D]
-  return n_accepted, out, path, along(hidden), cache, tuple(along(t) for t in taps)
+  lp = token_logprobs(along(logits), out)
+  return n_accepted, out, path, along(hidden), cache, tuple(along(t) for t in taps), lp
 
 
 def spec_step(graphdef, params, dparams, state, eos_ids, *, drafter, k: int, sampling):

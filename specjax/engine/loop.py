@@ -21,6 +21,7 @@ from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, Drafter
 from specjax.engine.executables import Executables
 from specjax.engine.planner import BatchLayout, plan_batch
+from specjax.engine.requests import Request, RequestHandle
 from specjax.errors import SpecjaxError
 from specjax.metrics import SpecMetrics
 from specjax.models.base import Model
@@ -123,6 +124,7 @@ class Engine:
     self.profile = profile
     self.phase_s = [0.0, 0.0]  # draft, verify seconds of the last profiled step
     self.executables = Executables(model.graphdef, model.params)
+    self.scheduler = None  # `serve()`
 
   @property
   def compile_s(self) -> float:
@@ -263,6 +265,21 @@ class Engine:
       return out
 
     return profiled
+
+  def serve(self, **options) -> 'Scheduler':
+    """Starts this engine's continuous-batching scheduler (`specjax.engine.scheduler.Scheduler` options:
+    max_slots, num_pages, max_seq_len, num_draft, prefill_budget); `submit` then feeds it."""
+    from specjax.engine.scheduler import Scheduler  # pylint: disable=g-import-not-at-top (it imports this package)
+
+    if self.scheduler is not None:
+      self.scheduler.stop()
+    self.scheduler = Scheduler(self, **options).start()
+    return self.scheduler
+
+  def submit(self, request: Request, loop=None) -> RequestHandle:
+    """Queues a request on the running scheduler (`serve()` starts one with defaults); returns its stream:
+    `async for event in engine.submit(request, asyncio.get_running_loop())`, or `handle.result()`."""
+    return (self.scheduler or self.serve()).submit(request, loop)
 
   def default_depth(self, fallback: int | None = None) -> int:
     """K when none is given: the drafter's own `default_depth` (set at build: a checkpoint's, DFlash's

@@ -1,0 +1,612 @@
+"""Continuous batching: requests join and leave a fixed set of slots while one thread runs the device loop.
+
+One scheduler thread owns the decode state (a `DecodeState` of `max_slots`
+rows over one page pool) and loops:
+
+  1. take new requests and cancels from thread-safe queues;
+  2. admit waiting requests into free slots (`slots.admit`: per-row state
+     reset, the drafter's included);
+  3. prefill joining slots a chunk each under a per-step token budget
+     (`slots.prefill_rows`); a slot whose prompt ends samples its first token;
+  4. run one step for the active slots: the plain decode step when no slot
+     drafts, else one draft-verify step as wide as the deepest slot's depth
+     (each slot drafts its own depth: the request's `num_draft`, else the
+     depth policy's choice for the live load);
+  5. one host transfer of the step's tokens; stream them to their requests,
+     cut stop strings, free the slots that finished.
+
+Pages are allocated as a slot grows (its prompt chunk, then its length plus
+the step's lookahead) and returned when it leaves. When the pool runs out the
+newest request is preempted: its pages are freed and it waits at the head of
+the queue to be prefilled again with the tokens it had (its draws are keyed by
+position, so it continues exactly). The executables are bounded: admit,
+deactivate and table updates once; decode and one spec step per depth, each
+greedy or sampled; prefill per (rows, chunk) bucket (`executable_set`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import queue
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.cache.paged import NULL_PAGE, KVCache, PageAllocator
+from specjax.depths import step_depth, verify_widths
+from specjax.drafters.base import BatchPlan
+from specjax.engine import slots
+from specjax.engine.planner import PREFILL_BUCKETS, next_pow2
+from specjax.engine.requests import Event, Request, RequestHandle
+from specjax.errors import OutOfPagesError, SpecjaxError
+from specjax.policies import Fixed, Policy
+from specjax.sampling import RowSampling, SamplingParams
+from specjax.step import DecodeState
+
+# scheduler: ready
+
+
+@dataclasses.dataclass
+class _Job:
+  """A request's host-side record, kept across preemptions."""
+
+  handle: RequestHandle
+  order: int  # first-admission counter: the largest is the newest (preempted first)
+  generated: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  text: str = ''  # decoded so far
+  sent: int = 0  # characters of `text` streamed
+  decoder: Any = None
+  slot: int = -1
+  prefilled: int = 0  # tokens of `todo` in the cache
+  todo: list[int] = dataclasses.field(default_factory=list)  # tokens to prefill: the prompt + tokens kept
+  active: bool = False
+  length: int = 0  # target cache length once active
+  first_pending: bool = False  # prefilled this round; its first token comes with the round's transfer
+
+  @property
+  def request(self) -> Request:
+    return self.handle.request
+
+
+def _holdback(text: str, stops: tuple[str, ...]) -> int:
+  """Characters at the end of `text` that may start a stop string."""
+  best = 0
+  for stop in stops:
+    for n in range(min(len(stop) - 1, len(text)), best, -1):
+      if text.endswith(stop[:n]):
+        best = n
+        break
+  return best
+
+
+class Scheduler:
+  """A continuous-batching engine over one `Engine`'s model and drafter.
+
+  Args:
+    engine: the `Engine` (model, drafter, page size, prefill chunk).
+    max_slots: requests decoded together (the batch rows of every step).
+    num_pages: the page pool (one is the null page); default: every slot at full capacity. A smaller pool
+      preempts the newest request when it runs out.
+    max_seq_len: capacity of one request (prompt + max_tokens + draft lookahead); default
+      min(engine.max_seq_len, 2048).
+    num_draft: the depth of requests that do not set one: an int (0: no speculation), a `Policy` (reads the
+      live slot count, learns from the steps), None: the engine's `default_depth()`.
+    prefill_budget: prompt tokens prefilled per step, across joining slots (default: the engine's prefill
+      chunk).
+  """
+
+  def __init__(
+      self,
+      engine,
+      *,
+      max_slots: int = 8,
+      num_pages: int | None = None,
+      max_seq_len: int | None = None,
+      num_draft: int | Policy | None = None,
+      prefill_budget: int | None = None,
+  ):
+    if max_slots < 1:
+      raise SpecjaxError(f'max_slots must be at least 1, got {max_slots}')
+    self.engine = engine
+    self.model = engine.model
+    self.drafter = engine.drafter
+    self.max_slots = max_slots
+    self.page_size = engine.page_size
+    self.max_seq_len = max_seq_len or min(engine.max_seq_len, 2048)
+    if self.max_seq_len > engine.max_seq_len:
+      raise SpecjaxError(f'max_seq_len {self.max_seq_len} is over the model capacity of {engine.max_seq_len}')
+    self.pages_per_seq = math.ceil(self.max_seq_len / self.page_size)
+    self.num_pages = num_pages or max_slots * self.pages_per_seq + 1
+    self.prefill_budget = prefill_budget or engine.prefill_chunk
+    if isinstance(num_draft, Policy):
+      self.policy = num_draft
+    else:
+      k = engine.default_depth() if num_draft is None and self.drafter else (num_draft or 0)
+      engine.check_depth(k)
+      self.policy = Fixed(k) if k else None
+    for k in self.policy.candidates if self.policy else ():
+      engine.check_depth(k)
+    self.max_depth = engine.max_draft if self.drafter else 0
+    self.lookahead = self.drafter.lookahead(self.max_depth) if self.drafter else 1
+    if self.pages_for(self.lookahead + 2) > self.num_pages - 1:
+      raise OutOfPagesError(f'a pool of {self.num_pages} pages holds no request (one is the null page)')
+    eos = self.model.generation.eos_token_ids or self.model.tokenizer.eos_ids
+    self.eos = sorted(set(eos)) or [-1]
+    self.allocator = PageAllocator(self.num_pages, self.page_size)
+    self.tables = np.full((max_slots, self.pages_per_seq), NULL_PAGE, np.int32)
+    self._tables_dirty = False
+    self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+    self._wake = threading.Event()
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._lock = threading.Lock()
+    self.waiting: collections.deque[_Job] = collections.deque()
+    self.slots: list[_Job | None] = [None] * max_slots
+    self._order = 0
+    self.error: BaseException | None = None
+    self.counters = dict(
+        preemptions=0,
+        requests_finished=0,
+        requests_cancelled=0,
+        prompt_tokens=0,
+        generated_tokens=0,
+        steps=0,
+        drafted=0,
+        accepted=0,
+        spec_steps=0,
+    )
+    self.accepted_at = [0] * max(self.max_depth, 1)
+    self.drafted_at = [0] * max(self.max_depth, 1)
+    self.step_times: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=4096)  # (K, s, live)
+    self.host_s = 0.0  # host time outside the jitted calls, over `steps`
+    self.pstate = self.policy.init() if self.policy else None
+    self.state = self._initial_state()
+    self.fresh = self._initial_state(num_pages=2)  # one empty row, repeated; its pools are never read
+    self.pending = np.zeros(max_slots, np.int32)  # drafts_ahead drafters: each slot's drafts for the next step
+
+  # -- set-up
+
+  def pages_for(self, tokens: int) -> int:
+    return math.ceil(tokens / self.page_size)
+
+  @property
+  def capacity(self) -> int:
+    return self.pages_per_seq * self.page_size
+
+  def _initial_state(self, num_pages: int | None = None) -> DecodeState:
+    b, num_pages = self.max_slots, num_pages or self.num_pages
+    cache = KVCache.create(
+        self.model.kv_shapes,
+        num_pages=num_pages,
+        page_size=self.page_size,
+        block_tables=self.tables,
+        state_shapes=self.model.state_shapes,
+        dtype=self.model.dtype,
+        num_slots=max(1, self.drafter.verify_width(self.max_depth) if self.drafter else 0),
+    )
+    dstate = ()
+    if self.drafter:
+      plan = BatchPlan(b, self.capacity, num_pages, self.page_size, self.tables, self.max_depth)
+      dstate = self.drafter.init_state(plan)
+    zeros = lambda: jnp.zeros((b,), jnp.int32)  # a buffer each: the state is donated
+    return DecodeState(
+        cache=cache,
+        last_tokens=zeros(),
+        active=jnp.zeros((b,), bool),
+        num_generated=zeros(),
+        max_new=zeros(),
+        seq_ids=zeros(),
+        tokens=jnp.zeros((b, self.capacity), jnp.int32),
+        drafter=dstate,
+        row_sampling=jax.tree.map(jnp.asarray, RowSampling.of([SamplingParams()] * b)),
+        row_eos=jnp.full((b, len(self.eos)), -1, jnp.int32),
+    )
+
+  def executable_set(self) -> list[str]:
+    """Every executable steady state may use (each compiled once, on first use or by `warmup`)."""
+    names = ['admit', 'deactivate', 'tables', 'decode[greedy]', 'decode[sampled]']
+    names += [f'spec[k={k},{mode}]' for k in self.exec_depths() for mode in ('greedy', 'sampled')]
+    rows = [r for r in (1 << i for i in range(8)) if r <= next_pow2(self.max_slots)]
+    chunks = [c for c in PREFILL_BUCKETS if c <= self.engine.prefill_chunk] or [self.engine.prefill_chunk]
+    names += [f'prefill[rows={r},chunk={c},{m}]' for r in rows for c in chunks for m in ('greedy', 'sampled')]
+    return names
+
+  def exec_depths(self) -> list[int]:
+    if not self.drafter:
+      return []
+    depths = set(range(1, self.max_depth + 1))
+    if self.drafter.drafts_ahead:
+      depths |= {w - 1 for d in list(depths) for w in verify_widths(d)}
+    return sorted(depths)
+
+  # -- the caller's side
+
+  def start(self) -> Scheduler:
+    if self._thread is None:
+      self._stop.clear()
+      self._thread = threading.Thread(target=self._run, name='specjax-scheduler', daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._wake.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+
+  def __enter__(self) -> Scheduler:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+  def check(self, request: Request) -> None:
+    """Raises SpecjaxError for a request that cannot run; nothing is scheduled."""
+    vocab = self.model.config.vocab_size
+    if not request.prompt:
+      raise SpecjaxError('the prompt is empty (no tokens)')
+    bad = [t for t in request.prompt if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+    if bad:
+      raise SpecjaxError(f'token ids {bad[:5]} are outside the vocabulary of {vocab}')
+    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+      raise SpecjaxError(f'max_tokens must be at least 1, got {request.max_tokens!r}')
+    request.sampling.validate()
+    if request.num_draft is not None:
+      if request.num_draft and not self.drafter:
+        raise SpecjaxError(f'num_draft={request.num_draft} needs a drafter (this server has none)')
+      if not 0 <= request.num_draft <= self.max_depth:
+        raise SpecjaxError(f'num_draft must be in 0..{self.max_depth}, got {request.num_draft}')
+    if any(not isinstance(s, str) or not s for s in request.stop):
+      raise SpecjaxError('stop strings must be non-empty strings')
+    need = len(request.prompt) + request.max_tokens + self.lookahead
+    if need > self.capacity:
+      raise SpecjaxError(
+          f'the prompt has {len(request.prompt)} tokens; with max_tokens={request.max_tokens} and '
+          f'{self.lookahead} draft lookahead it needs {need} positions, over the capacity of {self.capacity}'
+      )
+    if self.pages_for(need) > self.num_pages - 1:
+      raise OutOfPagesError(f'the request needs {self.pages_for(need)} pages, the pool has {self.num_pages - 1}')
+
+  def submit(self, request: Request, loop=None) -> RequestHandle:
+    """Checks the request and queues it; returns its stream (async with `loop`, else blocking)."""
+    self.check(request)
+    if self.error is not None:
+      raise SpecjaxError(f'the scheduler stopped: {self.error}')
+    handle = RequestHandle(request, loop)
+    self._inbox.put(_Job(handle, 0, decoder=self.model.tokenizer.stream()))
+    self._wake.set()
+    return handle
+
+  def metrics(self) -> dict:
+    with self._lock:
+      busy = sum(s is not None for s in self.slots)
+      return dict(
+          self.counters,
+          live_slots=busy,
+          max_slots=self.max_slots,
+          free_pages=self.allocator.free_pages,
+          total_pages=self.num_pages - 1,
+          waiting=len(self.waiting) + self._inbox.qsize(),
+          drafter=self.drafter.name if self.drafter else None,
+          accepted_at=list(self.accepted_at),
+          drafted_at=list(self.drafted_at),
+          host_ms_per_step=1e3 * self.host_s / max(self.counters['steps'], 1),
+      )
+
+  # -- the scheduler thread
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        if not self._iterate():
+          self._wake.wait(0.05)
+          self._wake.clear()
+    except BaseException as e:  # noqa: BLE001 - every waiting request gets the error as its end
+      self.error = e
+      while not self._inbox.empty():
+        self.waiting.append(self._inbox.get())
+      for job in list(self.waiting) + [j for j in self.slots if j]:
+        job.handle.put(Event([], '', finish_reason='error', time=time.perf_counter()))
+      raise
+
+  def _call(self, name, fn, args, static=None, donate=(1,)):
+    t = time.perf_counter()
+    out = self.engine.executables.call(name, fn, args, static, donate)
+    self._dispatch_s += time.perf_counter() - t
+    return out
+
+  def _iterate(self) -> bool:
+    """One round: admit, prefill a chunk, one step, stream. False when there was nothing to do."""
+    t0 = time.perf_counter()
+    self._dispatch_s = 0.0
+    while not self._inbox.empty():
+      self.waiting.append(self._inbox.get())
+    self._cancel()
+    self._admit()
+    prefilled = self._prefill()
+    stepped = self._step()
+    pending = self.drafter.pending_lens(self.state.drafter) if self.drafter and self.drafter.drafts_ahead else None
+    t_get = time.perf_counter()
+    outs = jax.device_get((prefilled, stepped, pending))  # the one host transfer of the round
+    t_got = time.perf_counter()
+    before = self.pending
+    if pending is not None:
+      self.pending = np.asarray(outs[2])
+    if prefilled is not None:
+      self._after_prefill(*outs[0])
+    if stepped is not None:
+      self._after_step(outs[1], t_got - t0, before)
+      self.host_s += (t_get - t0 - self._dispatch_s) + (time.perf_counter() - t_got)
+    return prefilled is not None or stepped is not None or bool(self.waiting)
+
+  # admission and leaving
+
+  def _free(self, job: _Job, deactivate: bool = True, counter: str | None = None) -> None:
+    with self._lock:  # one update, as `metrics` reads it
+      if counter:
+        self.counters[counter] += 1
+      if job.slot >= 0:
+        self.allocator.free(job.slot)
+        self.slots[job.slot] = None
+    if job.slot >= 0:
+      self.tables[job.slot] = NULL_PAGE
+      self._tables_dirty = True
+      if job.active and deactivate:
+        self._deactivate([job.slot])
+      job.slot, job.active = -1, False
+
+  def _finish(self, job: _Job, reason: str, tokens=(), logprobs=(), deactivate: bool = True) -> None:
+    text = job.text[job.sent :]
+    job.handle.stats.completion_tokens = len(job.generated)
+    self._free(job, deactivate, 'requests_cancelled' if reason == 'cancelled' else 'requests_finished')
+    job.handle.put(
+        Event(list(tokens), text, list(logprobs) if job.request.logprobs else None, reason, time.perf_counter())
+    )
+
+  def _cancel(self) -> None:
+    for job in [j for j in self.waiting if j.handle.cancelled.is_set()]:
+      self.waiting.remove(job)
+      self._finish(job, 'cancelled')
+    for job in [j for j in self.slots if j and j.handle.cancelled.is_set()]:
+      self._finish(job, 'cancelled')
+
+  def _deactivate(self, rows: list[int]) -> None:
+    padded = np.full(self.max_slots, self.max_slots, np.int32)
+    padded[: len(rows)] = rows
+    self.state = self._call('deactivate', slots.deactivate, (self.state, padded))
+
+  def _push_tables(self) -> None:
+    if self._tables_dirty:
+      self.state = self._call('tables', slots.point_tables, (self.state, self.tables))
+      self._tables_dirty = False
+
+  def _admit(self) -> None:
+    free = [i for i, s in enumerate(self.slots) if s is None]
+    joined = []
+    while free and self.waiting:
+      job = self.waiting[0]
+      todo = list(job.request.prompt) + job.generated
+      busy = self.max_slots - len(free)
+      if busy and self.pages_for(len(todo) + self.lookahead) + busy > self.allocator.free_pages:
+        break  # wait for pages: its prompt, and a page of growth for each busy slot (else it would be preempted)
+      self.waiting.popleft()
+      slot = free.pop(0)
+      if job.order == 0:  # first admission: its place in line, kept across preemptions
+        self._order += 1
+        job.order = self._order
+        with self._lock:
+          self.counters['prompt_tokens'] += len(job.request.prompt)
+      job.slot, job.todo, job.prefilled, job.active = slot, todo, 0, False
+      with self._lock:
+        self.allocator.allocate(slot, 0)
+        self.slots[slot] = job
+      joined.append(job)
+    if not joined:
+      return
+    n, c = self.max_slots, self.capacity
+    rows = np.full(n, n, np.int32)
+    tokens = np.zeros((n, c), np.int32)
+    max_new, num_generated, seq_ids = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
+    params = [SamplingParams()] * n
+    eos = np.full((n, len(self.eos)), -1, np.int32)
+    for i, job in enumerate(joined):
+      r = job.request
+      rows[i] = job.slot
+      tokens[i, : len(job.todo)] = job.todo
+      max_new[i], num_generated[i], seq_ids[i] = r.max_tokens, len(job.generated), r.seq_id
+      params[i] = r.sampling
+      if not r.ignore_eos:
+        eos[i] = self.eos
+    sampling = RowSampling.of(params)
+    args = (self.state, self.fresh, rows, tokens, max_new, num_generated, seq_ids, sampling, eos)
+    self.state = self._call('admit', slots.admit, args)
+
+  def _grow(self, job: _Job, tokens: int) -> None:
+    """Pages for `tokens` positions of the job's slot, preempting the newest jobs while the pool is short."""
+    while True:
+      try:
+        with self._lock:
+          pages = self.allocator.extend(job.slot, min(tokens, self.capacity))
+        break
+      except OutOfPagesError:
+        victim = max((j for j in self.slots if j), key=lambda j: j.order)
+        self._preempt(victim)
+        if victim is job:
+          return
+    self.tables[job.slot, : len(pages)] = pages
+    self._tables_dirty = True
+
+  def _preempt(self, job: _Job) -> None:
+    self._free(job)
+    job.first_pending = False  # a first token not yet streamed is drawn again, the same, after the recompute
+    job.handle.stats.preemptions += 1
+    with self._lock:
+      self.counters['preemptions'] += 1
+    self.waiting.appendleft(job)
+
+  # prefill
+
+  def _prefill(self):
+    joining = sorted((j for j in self.slots if j and not j.active), key=lambda j: j.order)
+    budget, batch = self.prefill_budget, []
+    for job in joining:
+      if budget <= 0:
+        break
+      q = min(len(job.todo) - job.prefilled, budget, self.engine.prefill_chunk)
+      batch.append((job, q))
+      budget -= q
+    for job, q in batch:
+      if job.slot >= 0:  # not preempted by an earlier job's growth
+        self._grow(job, job.prefilled + q + (self.lookahead if job.prefilled + q == len(job.todo) else 0))
+    batch = [(job, q) for job, q in batch if job.slot >= 0]  # a job may have preempted itself
+    if not batch:
+      return None
+    self._push_tables()
+    r = next_pow2(len(batch))
+    t = next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= max(q for _, q in batch))
+    rows = np.full(r, self.max_slots, np.int32)
+    tokens = np.zeros((r, t), np.int32)
+    q_lens = np.zeros(r, np.int32)
+    finish = np.zeros(r, bool)
+    for i, (job, q) in enumerate(batch):
+      rows[i], q_lens[i] = job.slot, q
+      tokens[i, :q] = job.todo[job.prefilled : job.prefilled + q]
+      finish[i] = job.prefilled + q == len(job.todo)
+      job.prefilled += q
+      if finish[i]:  # active on the device after this call: the round's step already runs it
+        job.active, job.length, job.first_pending = True, len(job.todo), True
+    greedy = all(job.request.sampling.is_greedy for job, _ in batch)
+    static = {'drafter': self.drafter, 'greedy': greedy, 'hidden_size': self.model.config.hidden_size}
+    self.state, out = self._call(
+        'prefill',
+        slots.prefill_rows,
+        (self.drafter.params() if self.drafter else (), self.state, rows, tokens, q_lens, finish),
+        static,
+        donate=(2,),
+    )
+    self._prefill_batch = batch
+    return out
+
+  def _after_prefill(self, tokens, active, logprobs) -> None:
+    for i, (job, _) in enumerate(self._prefill_batch):
+      if not job.first_pending:
+        continue
+      job.first_pending = False
+      if job.handle.stats.first_token is None:
+        job.handle.stats.first_token = time.perf_counter()
+      self._emit(job, [int(tokens[i])], [float(logprobs[i])], bool(active[i]))
+
+  # steps
+
+  def _depths(self, live: list[_Job], k_step: int) -> np.ndarray:
+    depths = np.zeros(self.max_slots, np.int32)
+    for job in live:
+      want = job.request.num_draft
+      depths[job.slot] = k_step if want is None else want
+    return depths
+
+  def _step(self):
+    live = [j for j in self.slots if j and j.active]
+    if not live:
+      return None
+    k_step = self.policy.choose(self.pstate, len(live), self.pending[[j.slot for j in live]]) if self.policy else 0
+    depths = self._depths(live, k_step)
+    deepest = int(depths.max())
+    k_exec = deepest
+    if deepest and self.drafter.drafts_ahead:
+      k_exec = step_depth(deepest, int(self.pending[[j.slot for j in live]].max()))
+    for job in live:
+      if job.slot >= 0:
+        self._grow(job, job.length + (self.drafter.lookahead(k_exec) if k_exec else 1))
+    live = [j for j in self.slots if j and j.active]
+    if not live:
+      return None
+    self._push_tables()
+    greedy = all(j.request.sampling.is_greedy for j in live)
+    self._step_live, self._step_k, self._step_depths = live, (k_step, k_exec, deepest), depths
+    if not deepest:
+      self.state, out = self._call('decode', slots.decode_rows, (self.state,), {'greedy': greedy})
+      return out
+    static = {'drafter': self.drafter, 'k': k_exec, 'greedy': greedy}
+    self.state, out = self._call(
+        'spec', slots.spec_rows, (self.drafter.params(), self.state, depths), static, donate=(2,)
+    )
+    return out
+
+  def _after_step(self, outs, dt: float, before: np.ndarray) -> None:
+    live, (k_step, k_exec, deepest) = self._step_live, self._step_k
+    self.counters['steps'] += 1
+    self.step_times.append((k_exec, dt, len(live)))
+    if not deepest:
+      tokens, active, logprobs = outs
+      for job in live:
+        if job.slot >= 0:  # not finished by its first token this round
+          job.length += 1
+          self._emit(job, [int(tokens[job.slot])], [float(logprobs[job.slot])], bool(active[job.slot]))
+      return
+    tokens, emitted, accepted, drafted, active, _, logprobs = outs
+    rows = np.array([j.slot for j in live])
+    for job in live:
+      i, e = job.slot, int(emitted[job.slot])
+      if i < 0:
+        continue
+      d = min(int(drafted[i]), k_exec) if self.drafter.tree_tokens else int(drafted[i])
+      if self._step_depths[i] and e:
+        stats = job.handle.stats
+        stats.drafted += d
+        stats.accepted += int(accepted[i])
+        stats.spec_steps += 1
+        with self._lock:
+          self.counters['drafted'] += d
+          self.counters['accepted'] += int(accepted[i])
+          self.counters['spec_steps'] += 1
+          for p in range(min(d, len(self.drafted_at))):
+            self.drafted_at[p] += 1
+          for p in range(min(int(accepted[i]), len(self.accepted_at))):
+            self.accepted_at[p] += 1
+      job.length += e
+      self._emit(job, tokens[i, :e].tolist(), logprobs[i, :e].tolist(), bool(active[i]))
+    if self.policy:
+      self.pstate = self.policy.observe(
+          self.pstate,
+          k_step,
+          accepted[rows],
+          dt,
+          len(live),
+          drafted[rows],
+          k_exec + 1,
+          before[rows] if self.drafter.drafts_ahead else None,
+      )
+
+  def _emit(self, job: _Job, tokens: list[int], logprobs: list[float], still_active: bool) -> None:
+    """Streams a job's new tokens; finishes it on EOS, its budget, or a stop string."""
+    job.generated += tokens
+    job.logprobs += logprobs
+    with self._lock:
+      self.counters['generated_tokens'] += len(tokens)
+    for t in tokens:
+      job.text += job.decoder.step(t)
+    stops = job.request.stop
+    if not still_active:
+      job.text += job.decoder.flush()
+    cut = min((i for i in (job.text.find(s, max(0, job.sent - len(s))) for s in stops) if i >= 0), default=-1)
+    if cut >= 0:
+      job.text = job.text[:cut]
+      self._finish(job, 'stop', tokens, logprobs, deactivate=still_active)
+      return
+    if not still_active:
+      eos = bool(job.generated) and job.generated[-1] in self.eos and not job.request.ignore_eos
+      self._finish(job, 'stop' if eos else 'length', tokens, logprobs, deactivate=False)
+      return
+    end = len(job.text) - _holdback(job.text, stops)
+    text, job.sent = job.text[job.sent : end], max(job.sent, end)
+    lp = logprobs if job.request.logprobs else None
+    job.handle.put(Event(tokens, text, lp, None, time.perf_counter()))

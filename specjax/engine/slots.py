@@ -1,0 +1,179 @@
+"""The jitted bodies of the continuous-batching scheduler over a fixed set of B slots.
+
+A slot is one row of the `DecodeState`. Requests join a free slot (`admit`:
+its per-row state reset, its tokens written), are prefilled a chunk at a
+time in a sub-batch of the joining rows (`prefill_rows`, which also samples
+the first token of rows whose prompt is done), then ride the shared steps
+(`decode_rows`, `spec_rows`) until they leave; the host points a free slot's
+block table at the null page.
+
+Rows work on shared page pools: a `KVCache` (the target's, or one inside the
+drafter's state) has per-row fields (block tables, lengths, recurrent state)
+and pools every row indexes. `take_rows` / `put_rows` / `keep_rows` move the
+per-row fields and every other `[B, ...]` leaf, and pass pools through. A step
+leaves the rows that were not active in it as they were (`keep_rows`), so a
+slot mid-prefill or free is untouched by the others' drafting and verifying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.cache.paged import KVCache
+from specjax.drafters.base import Drafter
+from specjax.models.contract import append
+from specjax.step import DecodeState, draft_context, emit, prefill_chunk, propose_phase, verify_phase
+
+_ROW_FIELDS = ('block_tables', 'lengths', 'ssm', 'conv', 'state_slot')
+
+
+def _is_cache(x) -> bool:
+  return isinstance(x, KVCache)
+
+
+def _map_rows(fn, tree, *others):
+  """fn(leaf, *other leaves) on every per-row array; a KVCache's pools come from `tree`."""
+
+  def one(x, *ys):
+    if isinstance(x, KVCache):
+      fields = {f: jax.tree.map(fn, getattr(x, f), *(getattr(y, f) for y in ys)) for f in _ROW_FIELDS}
+      return dataclasses.replace(x, **fields)
+    return fn(x, *ys)
+
+  return jax.tree.map(one, tree, *others, is_leaf=_is_cache)
+
+
+def take_rows(tree, rows: jax.Array):  # rows [R]; out-of-range rows read the last row (padding)
+  return _map_rows(lambda x: x[jnp.minimum(rows, x.shape[0] - 1)], tree)
+
+
+def put_rows(tree, sub, rows: jax.Array, pools: bool = True):
+  """Writes `sub`'s rows at `rows` (out-of-range rows are dropped); pools from `sub` unless `pools=False`."""
+  out = _map_rows(lambda x, s: x.at[rows].set(s, mode='drop'), tree, sub)
+  if not pools:
+    return out
+  swap = lambda x, s: dataclasses.replace(x, k_pages=s.k_pages, v_pages=s.v_pages) if isinstance(x, KVCache) else x
+  return jax.tree.map(swap, out, sub, is_leaf=_is_cache)
+
+
+def keep_rows(new, old, keep: jax.Array):
+  """`new`, with `old`'s values in the rows where keep [B] (pools from `new`)."""
+  pick = lambda n, o: jnp.where(keep.reshape(keep.shape + (1,) * (n.ndim - 1)), o, n)
+  return _map_rows(pick, new, old)
+
+
+def set_tables(state: DecodeState, tables: jax.Array) -> DecodeState:  # tables [B, pages_per_seq]
+  """Points every KVCache of the state (the target's and the drafter's) at the host's block tables."""
+  put = lambda x: dataclasses.replace(x, block_tables=tables) if isinstance(x, KVCache) else x
+  return jax.tree.map(put, state, is_leaf=_is_cache)
+
+
+# ---------------------------------------------------------------- jitted bodies (graphdef, params first)
+
+
+def admit(
+    graphdef,
+    params,
+    state: DecodeState,
+    fresh: DecodeState,
+    rows,
+    tokens,
+    max_new,
+    num_generated,
+    seq_ids,
+    sampling,
+    eos,
+):
+  """Resets slots `rows` [R] for new requests: `fresh`'s per-row values (empty caches, the drafter's initial
+  state), tokens [R, C], budgets, seq ids, each row's sampling settings and EOS ids [R, E]; inactive until
+  its prefill ends."""
+  del graphdef, params
+  sub = take_rows(fresh, jnp.zeros_like(rows))  # every row of `fresh` is the same empty row
+  sub = dataclasses.replace(
+      sub,
+      tokens=tokens,
+      max_new=max_new,
+      num_generated=num_generated,
+      seq_ids=seq_ids,
+      active=jnp.zeros_like(rows, bool),
+      row_sampling=sampling,
+      row_eos=eos,
+  )
+  return put_rows(state, sub, rows, pools=False)
+
+
+def prefill_rows(
+    graphdef,
+    params,
+    dparams,
+    state: DecodeState,
+    rows,
+    tokens,
+    query_lens,
+    finish,
+    *,
+    drafter,
+    greedy: bool,
+    hidden_size: int,
+):
+  """One prompt chunk for slots `rows` [R]: tokens [R, T], query_lens [R] (0: padding). Rows whose prompt ends
+  here (`finish` [R]) sample their first token and become active.
+
+  Returns (state, (first tokens [R], active [R], log-probabilities [R])).
+  """
+  model = nnx.merge(graphdef, params)
+  sub = take_rows(state, rows)
+  taps = drafter.taps if drafter else ()
+  last_hidden = jnp.zeros((rows.shape[0], hidden_size), state.cache.k_pages[0].dtype)
+  cache, last_hidden, hidden, tapped = prefill_chunk(graphdef, params, sub.cache, tokens, query_lens, last_hidden, taps)
+  dstate = sub.drafter
+  if drafter:
+    dstate = drafter.prefill(model, dparams, dstate, tokens, query_lens, hidden, tapped)
+  sub = dataclasses.replace(sub, cache=cache, drafter=dstate)
+  sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
+  started, logprobs = emit(model, last_hidden, dataclasses.replace(sub, active=finish), sub.row_eos, sampling, True)
+  if drafter:
+    started = dataclasses.replace(started, drafter=drafter.start(dparams, started.drafter, draft_context(started)))
+  sub = keep_rows(started, sub, ~finish)
+  return put_rows(state, sub, rows), (started.last_tokens, started.active & finish, logprobs)
+
+
+def decode_rows(graphdef, params, state: DecodeState, *, greedy: bool):
+  """One token for every active slot. Returns (state, (tokens [B], active [B], log-probabilities [B]))."""
+  model = nnx.merge(graphdef, params)
+  hidden, cache, _ = append(model, state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
+  sampling = dataclasses.replace(state.row_sampling, is_greedy=greedy)
+  new, logprobs = emit(model, hidden[:, 0], dataclasses.replace(state, cache=cache), state.row_eos, sampling, True)
+  new = keep_rows(new, state, ~state.active)
+  return new, (new.last_tokens, new.active, logprobs)
+
+
+def spec_rows(graphdef, params, dparams, state: DecodeState, depths, *, drafter: Drafter, k: int, greedy: bool):
+  """One draft-verify step at width K for every active slot, each drafting at most depths [B] (0: none; a
+  tree row drafts its whole tree or nothing).
+
+  Returns (state, (tokens [B, K+1], emitted, accepted, drafted, active, drafts [B, K], log-probabilities
+  [B, K+1])).
+  """
+  sampling = dataclasses.replace(state.row_sampling, is_greedy=greedy)
+  static = dict(drafter=drafter, k=k, sampling=sampling)
+  new, prop = propose_phase(graphdef, params, dparams, state, **static)
+  lens = jnp.where(depths > 0, prop.draft_lens, 0) if drafter.tree_tokens else jnp.minimum(prop.draft_lens, depths)
+  prop = dataclasses.replace(prop, draft_lens=lens.astype(prop.draft_lens.dtype))
+  new, out = verify_phase(graphdef, params, dparams, new, prop, state.row_eos, logprobs=True, **static)
+  return keep_rows(new, state, ~state.active), out
+
+
+def deactivate(graphdef, params, state: DecodeState, rows) -> DecodeState:
+  """Slots `rows` [R] stop (a cancel, a stop string, a preemption); out-of-range rows are padding."""
+  del graphdef, params
+  return dataclasses.replace(state, active=state.active.at[rows].set(False, mode='drop'))
+
+
+def point_tables(graphdef, params, state: DecodeState, tables) -> DecodeState:
+  del graphdef, params
+  return set_tables(state, tables)
