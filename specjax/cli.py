@@ -380,6 +380,10 @@ def cmd_serve(args) -> int:
   host = f'[{args.host}]' if ':' in args.host else args.host
   if api_key is None and args.host not in ('127.0.0.1', 'localhost', '::1'):
     print(f'warning: serving on {args.host} without an API key (--api-key or {API_KEY_ENV})', file=sys.stderr)
+  if args.warmup != 'none':
+    n = len(scheduler.executable_set(sampled=args.warmup == 'all')) - 3
+    print(f'specjax serve: compiling {n} step and prefill executables ...', file=sys.stderr, flush=True)
+    print(f'specjax serve: compiled in {scheduler.warmup(sampled=args.warmup == "all"):.0f} s', file=sys.stderr)
   scheduler.start()
   try:
     drafter = f'drafter {engine.drafter.name}' if engine.drafter else 'no drafter'
@@ -506,6 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
       help=f'clients must send Authorization: Bearer KEY (default: ${API_KEY_ENV}, else none)',
   )
   serve.add_argument('--served-model-name', default=None, help='the model name clients send (default: -m as given)')
+  serve.add_argument(
+      '--warmup',
+      default='greedy',
+      choices=('none', 'greedy', 'all'),
+      help='compile the steps and prefills before serving: greedy ones (default), all (sampled too), or none',
+  )
   serve.add_argument('--log-level', default='warning', choices=('critical', 'error', 'warning', 'info', 'debug'))
   serve.set_defaults(func=cmd_serve)
   bench = sub.add_parser('bench', help='autoregressive vs speculative on a prompt set, per category')

@@ -21,7 +21,8 @@ newest request is preempted: its pages are freed and it waits at the head of
 the queue to be prefilled again with the tokens it had (its draws are keyed by
 position, so it continues exactly). The executables are bounded: admit,
 deactivate and table updates once; decode and one spec step per depth, each
-greedy or sampled; prefill per (rows, chunk) bucket (`executable_set`).
+greedy or sampled, per bucket of live rows (1, 2, 4, ..: a step computes only the live slots); prefill
+one row a call, per chunk bucket (`executable_set`; `warmup` compiles them ahead).
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ class Scheduler:
     for k in self.policy.candidates if self.policy else ():
       engine.check_depth(k)
     self.max_depth = engine.max_draft if self.drafter else 0
+    # A step's K rounds up to one of these (the policy's candidates; a request deeper than all compiles its own).
+    self.step_depths = sorted(self.policy.candidates if self.policy else {self.max_depth}) if self.drafter else []
     self.lookahead = self.drafter.lookahead(self.max_depth) if self.drafter else 1
     if self.pages_for(self.lookahead + 2) > self.num_pages - 1:
       raise OutOfPagesError(f'a pool of {self.num_pages} pages holds no request (one is the null page)')
@@ -209,22 +212,56 @@ class Scheduler:
         row_eos=jnp.full((b, len(self.eos)), -1, jnp.int32),
     )
 
-  def executable_set(self) -> list[str]:
-    """Every executable steady state may use (each compiled once, on first use or by `warmup`)."""
-    names = ['admit', 'deactivate', 'tables', 'decode[greedy]', 'decode[sampled]']
-    names += [f'spec[k={k},{mode}]' for k in self.exec_depths() for mode in ('greedy', 'sampled')]
-    rows = [r for r in (1 << i for i in range(8)) if r <= next_pow2(self.max_slots)]
-    chunks = [c for c in PREFILL_BUCKETS if c <= self.engine.prefill_chunk] or [self.engine.prefill_chunk]
-    names += [f'prefill[rows={r},chunk={c},{m}]' for r in rows for c in chunks for m in ('greedy', 'sampled')]
-    return names
+  def row_buckets(self) -> list[int]:
+    """Sub-batch sizes a step or prefill runs at: powers of two up to `max_slots`'s."""
+    return [1 << i for i in range(next_pow2(self.max_slots).bit_length())]
 
   def exec_depths(self) -> list[int]:
+    """Depths a draft-verify step is compiled for: `step_depths` (a slot's depth rounds up to one; drafting
+    ahead, also the narrower verify widths its short drafts use)."""
     if not self.drafter:
       return []
-    depths = set(range(1, self.max_depth + 1))
+    depths = set(self.step_depths)
     if self.drafter.drafts_ahead:
-      depths |= {w - 1 for d in list(depths) for w in verify_widths(d)}
+      depths |= {w - 1 for d in self.step_depths for w in verify_widths(d)}
     return sorted(depths)
+
+  def _shapes(self, sampled: bool) -> list[tuple]:
+    """(name, fn, args, static, donate) of every step and prefill executable steady state may use."""
+    modes = (True, False) if sampled else (True,)
+    dparams = self.drafter.params() if self.drafter else ()
+    out = []
+    chunks = [c for c in PREFILL_BUCKETS if c < self.engine.prefill_chunk] + [self.engine.prefill_chunk]
+    for r in self.row_buckets():
+      rows = np.full(r, self.max_slots, np.int32)
+      for greedy in modes:
+        out.append(('decode', slots.decode_rows, (self.state, rows), {'greedy': greedy}, (1,)))
+        for k in self.exec_depths():
+          static = {'drafter': self.drafter, 'k': k, 'greedy': greedy}
+          out.append(('spec', slots.spec_rows, (dparams, self.state, rows, np.zeros(r, np.int32)), static, (2,)))
+        for t in chunks if r == 1 else ():  # prefill runs one row a call
+          args = (dparams, self.state, rows, np.zeros((r, t), np.int32), np.zeros(r, np.int32), np.zeros(r, bool))
+          static = {'drafter': self.drafter, 'greedy': greedy, 'hidden_size': self.model.config.hidden_size}
+          out.append(('prefill', slots.prefill_rows, args, static, (2,)))
+    return out
+
+  def executable_set(self, sampled: bool = True) -> list[str]:
+    """Every step and prefill executable steady state may use (compiled on first use, or by `warmup`), and the
+    admit / deactivate / block-table updates."""
+    names = ['admit', 'deactivate', 'tables']
+    for name, _, args, static, _ in self._shapes(sampled):
+      rows = args[2 if name in ('spec', 'prefill') else 1].shape[0]
+      extra = f',k={static["k"]}' if name == 'spec' else f',chunk={args[3].shape[1]}' if name == 'prefill' else ''
+      names.append(f'{name}[rows={rows}{extra},{"greedy" if static["greedy"] else "sampled"}]')
+    return names
+
+  def warmup(self, sampled: bool = False) -> float:
+    """Compiles every step and prefill executable (greedy; `sampled=True`: the sampled ones too) before serving,
+    so no request waits on a compile; returns the seconds spent."""
+    before = self.engine.executables.compile_s
+    for name, fn, args, static, donate in self._shapes(sampled):
+      self.engine.executables.get(name, fn, args, static, donate)
+    return self.engine.executables.compile_s - before
 
   # -- the caller's side
 
@@ -341,7 +378,7 @@ class Scheduler:
     if pending is not None:
       self.pending = np.asarray(outs[2])
     if prefilled is not None:
-      self._after_prefill(*outs[0])
+      self._after_prefill(outs[0])
     if stepped is not None:
       self._after_step(outs[1], t_got - t0, before)
       self.host_s += (t_get - t0 - self._dispatch_s) + (time.perf_counter() - t_got)
@@ -470,93 +507,96 @@ class Scheduler:
     if not batch:
       return None
     self._push_tables()
-    r = next_pow2(len(batch))
-    t = next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= max(q for _, q in batch))
-    rows = np.full(r, self.max_slots, np.int32)
-    tokens = np.zeros((r, t), np.int32)
-    q_lens = np.zeros(r, np.int32)
-    finish = np.zeros(r, bool)
-    for i, (job, q) in enumerate(batch):
-      rows[i], q_lens[i] = job.slot, q
-      tokens[i, :q] = job.todo[job.prefilled : job.prefilled + q]
-      finish[i] = job.prefilled + q == len(job.todo)
+    outs = []
+    for job, q in batch:  # one row a call: the chunk is the batch (executables: one per chunk bucket)
+      t = next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= q)
+      tokens = np.zeros((1, t), np.int32)
+      tokens[0, :q] = job.todo[job.prefilled : job.prefilled + q]
       job.prefilled += q
-      if finish[i]:  # active on the device after this call: the round's step already runs it
+      finish = job.prefilled == len(job.todo)
+      if finish:  # active on the device after this call: the round's step already runs it
         job.active, job.length, job.first_pending = True, len(job.todo), True
-    greedy = all(job.request.sampling.is_greedy for job, _ in batch)
-    static = {'drafter': self.drafter, 'greedy': greedy, 'hidden_size': self.model.config.hidden_size}
-    self.state, out = self._call(
-        'prefill',
-        slots.prefill_rows,
-        (self.drafter.params() if self.drafter else (), self.state, rows, tokens, q_lens, finish),
-        static,
-        donate=(2,),
-    )
+      static = {
+          'drafter': self.drafter,
+          'greedy': job.request.sampling.is_greedy,
+          'hidden_size': self.model.config.hidden_size,
+      }
+      args = (
+          self.drafter.params() if self.drafter else (),
+          self.state,
+          np.array([job.slot], np.int32),
+          tokens,
+          np.array([q], np.int32),
+          np.array([finish]),
+      )
+      self.state, out = self._call('prefill', slots.prefill_rows, args, static, donate=(2,))
+      outs.append(out)
     self._prefill_batch = batch
-    return out
+    return outs
 
-  def _after_prefill(self, tokens, active, logprobs) -> None:
-    for i, (job, _) in enumerate(self._prefill_batch):
+  def _after_prefill(self, outs) -> None:
+    for (job, _), (tokens, active, logprobs) in zip(self._prefill_batch, outs):
       if not job.first_pending:
         continue
       job.first_pending = False
       if job.handle.stats.first_token is None:
         job.handle.stats.first_token = time.perf_counter()
-      self._emit(job, [int(tokens[i])], [float(logprobs[i])], bool(active[i]))
+      self._emit(job, [int(tokens[0])], [float(logprobs[0])], bool(active[0]))
 
   # steps
-
-  def _depths(self, live: list[_Job], k_step: int) -> np.ndarray:
-    depths = np.zeros(self.max_slots, np.int32)
-    for job in live:
-      want = job.request.num_draft
-      depths[job.slot] = k_step if want is None else want
-    return depths
 
   def _step(self):
     live = [j for j in self.slots if j and j.active]
     if not live:
       return None
-    k_step = self.policy.choose(self.pstate, len(live), self.pending[[j.slot for j in live]]) if self.policy else 0
-    depths = self._depths(live, k_step)
+    slots_ = [j.slot for j in live]
+    k_step = self.policy.choose(self.pstate, len(live), self.pending[slots_]) if self.policy else 0
+    depths = np.array([k_step if j.request.num_draft is None else j.request.num_draft for j in live], np.int32)
     deepest = int(depths.max())
-    k_exec = deepest
+    k_exec = min((k for k in self.step_depths if k >= deepest), default=deepest) if deepest else 0
     if deepest and self.drafter.drafts_ahead:
-      k_exec = step_depth(deepest, int(self.pending[[j.slot for j in live]].max()))
+      k_exec = step_depth(k_exec, int(self.pending[slots_].max()))
     for job in live:
       if job.slot >= 0:
         self._grow(job, job.length + (self.drafter.lookahead(k_exec) if k_exec else 1))
-    live = [j for j in self.slots if j and j.active]
-    if not live:
+    keep = [i for i, j in enumerate(live) if j.slot >= 0 and j.active]  # growth may preempt
+    if not keep:
       return None
+    live, depths = [live[i] for i in keep], depths[keep]
     self._push_tables()
+    r = next_pow2(len(live))
+    rows = np.full(r, self.max_slots, np.int32)
+    rows[: len(live)] = [j.slot for j in live]
+    depths = np.pad(depths, (0, r - len(live)))
     greedy = all(j.request.sampling.is_greedy for j in live)
     self._step_live, self._step_k, self._step_depths = live, (k_step, k_exec, deepest), depths
     if not deepest:
-      self.state, out = self._call('decode', slots.decode_rows, (self.state,), {'greedy': greedy})
+      self.state, out = self._call('decode', slots.decode_rows, (self.state, rows), {'greedy': greedy})
       return out
     static = {'drafter': self.drafter, 'k': k_exec, 'greedy': greedy}
     self.state, out = self._call(
-        'spec', slots.spec_rows, (self.drafter.params(), self.state, depths), static, donate=(2,)
+        'spec', slots.spec_rows, (self.drafter.params(), self.state, rows, depths), static, donate=(2,)
     )
     return out
 
   def _after_step(self, outs, dt: float, before: np.ndarray) -> None:
+    """Streams a step's tokens; outputs are indexed by the job's place in the step's rows."""
     live, (k_step, k_exec, deepest) = self._step_live, self._step_k
     self.counters['steps'] += 1
     self.step_times.append((k_exec, dt, len(live)))
     if not deepest:
       tokens, active, logprobs = outs
-      for job in live:
+      for i, job in enumerate(live):
         if job.slot >= 0:  # not finished by its first token this round
           job.length += 1
-          self._emit(job, [int(tokens[job.slot])], [float(logprobs[job.slot])], bool(active[job.slot]))
+          self._emit(job, [int(tokens[i])], [float(logprobs[i])], bool(active[i]))
       return
     tokens, emitted, accepted, drafted, active, _, logprobs = outs
-    rows = np.array([j.slot for j in live])
-    for job in live:
-      i, e = job.slot, int(emitted[job.slot])
-      if i < 0:
+    n = len(live)
+    slots_ = np.array([j.slot for j in live])
+    for i, job in enumerate(live):
+      e = int(emitted[i])
+      if job.slot < 0:
         continue
       d = min(int(drafted[i]), k_exec) if self.drafter.tree_tokens else int(drafted[i])
       if self._step_depths[i] and e:
@@ -578,12 +618,12 @@ class Scheduler:
       self.pstate = self.policy.observe(
           self.pstate,
           k_step,
-          accepted[rows],
+          accepted[:n],
           dt,
-          len(live),
-          drafted[rows],
+          n,
+          drafted[:n],
           k_exec + 1,
-          before[rows] if self.drafter.drafts_ahead else None,
+          before[slots_] if self.drafter.drafts_ahead else None,
       )
 
   def _emit(self, job: _Job, tokens: list[int], logprobs: list[float], still_active: bool) -> None:

@@ -2,7 +2,7 @@
 
 A slot is one row of the `DecodeState`. Requests join a free slot (`admit`:
 its per-row state reset, its tokens written), are prefilled a chunk at a
-time in a sub-batch of the joining rows (`prefill_rows`, which also samples
+time (`prefill_rows`, on the sub-batch of the joining rows, which also samples
 the first token of rows whose prompt is done), then ride the shared steps
 (`decode_rows`, `spec_rows`) until they leave; the host points a free slot's
 block table at the null page.
@@ -142,30 +142,41 @@ def prefill_rows(
   return put_rows(state, sub, rows), (started.last_tokens, started.active & finish, logprobs)
 
 
-def decode_rows(graphdef, params, state: DecodeState, *, greedy: bool):
-  """One token for every active slot. Returns (state, (tokens [B], active [B], log-probabilities [B]))."""
-  model = nnx.merge(graphdef, params)
-  hidden, cache, _ = append(model, state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
-  sampling = dataclasses.replace(state.row_sampling, is_greedy=greedy)
-  new, logprobs = emit(model, hidden[:, 0], dataclasses.replace(state, cache=cache), state.row_eos, sampling, True)
-  new = keep_rows(new, state, ~state.active)
-  return new, (new.last_tokens, new.active, logprobs)
+def live_rows(state: DecodeState, rows: jax.Array) -> DecodeState:
+  """The sub-batch of slots `rows` [R] a step runs on; out-of-range rows are inactive padding."""
+  sub = take_rows(state, rows)
+  return dataclasses.replace(sub, active=sub.active & (rows < state.active.shape[0]))
 
 
-def spec_rows(graphdef, params, dparams, state: DecodeState, depths, *, drafter: Drafter, k: int, greedy: bool):
-  """One draft-verify step at width K for every active slot, each drafting at most depths [B] (0: none; a
-  tree row drafts its whole tree or nothing).
+def decode_rows(graphdef, params, state: DecodeState, rows, *, greedy: bool):
+  """One token for each active slot of `rows` [R] (the live slots, padded to a bucket).
 
-  Returns (state, (tokens [B, K+1], emitted, accepted, drafted, active, drafts [B, K], log-probabilities
-  [B, K+1])).
+  Returns (state, (tokens [R], active [R], log-probabilities [R])).
   """
-  sampling = dataclasses.replace(state.row_sampling, is_greedy=greedy)
+  model = nnx.merge(graphdef, params)
+  sub = live_rows(state, rows)
+  hidden, cache, _ = append(model, sub.last_tokens[:, None], sub.cache, sub.active.astype(jnp.int32))
+  sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
+  new, logprobs = emit(model, hidden[:, 0], dataclasses.replace(sub, cache=cache), sub.row_eos, sampling, True)
+  new = keep_rows(new, sub, ~sub.active)
+  return put_rows(state, new, rows), (new.last_tokens, new.active, logprobs)
+
+
+def spec_rows(graphdef, params, dparams, state: DecodeState, rows, depths, *, drafter: Drafter, k: int, greedy: bool):
+  """One draft-verify step at width K for each active slot of `rows` [R], each drafting at most depths [R] (0:
+  none; a tree row drafts its whole tree or nothing).
+
+  Returns (state, (tokens [R, K+1], emitted, accepted, drafted, active, drafts [R, K], log-probabilities
+  [R, K+1])).
+  """
+  sub = live_rows(state, rows)
+  sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
   static = dict(drafter=drafter, k=k, sampling=sampling)
-  new, prop = propose_phase(graphdef, params, dparams, state, **static)
+  new, prop = propose_phase(graphdef, params, dparams, sub, **static)
   lens = jnp.where(depths > 0, prop.draft_lens, 0) if drafter.tree_tokens else jnp.minimum(prop.draft_lens, depths)
   prop = dataclasses.replace(prop, draft_lens=lens.astype(prop.draft_lens.dtype))
-  new, out = verify_phase(graphdef, params, dparams, new, prop, state.row_eos, logprobs=True, **static)
-  return keep_rows(new, state, ~state.active), out
+  new, out = verify_phase(graphdef, params, dparams, new, prop, sub.row_eos, logprobs=True, **static)
+  return put_rows(state, keep_rows(new, sub, ~sub.active), rows), out
 
 
 def deactivate(graphdef, params, state: DecodeState, rows) -> DecodeState:

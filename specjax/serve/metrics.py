@@ -116,7 +116,12 @@ class ServeMetrics:
       spec_steps, accepted = snap.get('spec_steps', 0), snap.get('accepted', 0)
       metric('specjax_draft_tokens_total', 'counter', 'Draft tokens verified.', [(d, snap.get('drafted', 0))])
       metric('specjax_accepted_tokens_total', 'counter', 'Draft tokens accepted.', [(d, accepted)])
-      metric('specjax_spec_steps_total', 'counter', 'Request-steps verified with drafts.', [(d, spec_steps)])
+      metric(
+          'specjax_spec_steps_total',
+          'counter',
+          'Request-steps in draft-verify passes with speculation on (some may have found no drafts).',
+          [(d, spec_steps)],
+      )
       metric(
           'specjax_tau',
           'gauge',
