@@ -21,7 +21,6 @@ from typing import AsyncIterator, Iterator
 
 from specjax.sampling import SamplingParams
 
-FINISH_REASONS = ('stop', 'length', 'cancelled')
 _ids = itertools.count()
 
 

@@ -167,7 +167,6 @@ class Scheduler:
     )
     self.accepted_at = [0] * max(self.max_depth, 1)
     self.drafted_at = [0] * max(self.max_depth, 1)
-    self.step_times: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=4096)  # (K, s, live)
     self.host_s = 0.0  # host time outside the jitted calls, over `steps`
     self.pstate = self.policy.init() if self.policy else None
     self.state = self._initial_state()
@@ -583,7 +582,6 @@ class Scheduler:
     """Streams a step's tokens; outputs are indexed by the job's place in the step's rows."""
     live, (k_step, k_exec, deepest) = self._step_live, self._step_k
     self.counters['steps'] += 1
-    self.step_times.append((k_exec, dt, len(live)))
     if not deepest:
       tokens, active, logprobs = outs
       for i, job in enumerate(live):
