@@ -1,40 +1,51 @@
 #!/usr/bin/env bash
-# GPU checks, run on a CUDA machine from the repo root (no install needed:
-# jax, flax, optax, numpy, pytest, tokenizers, safetensors and ml_collections must be
-# importable; wheels in .whl/, e.g. ml_collections' on a machine without a network, are
-# installed into /tmp/site first).
+# GPU checks, run on a CUDA machine from the repo root (no install needed: jax, flax, optax, numpy, pytest,
+# tokenizers, safetensors must be importable; wheels in .whl/, e.g. ml_collections' and gguf's on a machine
+# without a network, are installed into /tmp/site first).
 #   bash benchmarks/gpu_checks.sh OUTDIR
-# 1. the Triton paged attention kernel compiled for real vs the reference;
-# 2. the engine with impl="pallas" gives the XLA path's tokens;
-# 3. benchmarks/paged_attention.py (kernel vs XLA vs jax's one-query kernel);
-# 4. benchmarks/tree_step.py (chain vs 16/32/64-node tree steps, EAGLE-3 head on Gemma 3 270M's shapes with
-#    random weights, bf16: the device has no network for the demo package), and the
-#    tree / EAGLE-3 tests on the GPU;
-# 5. the Gemma 4, assistant and DFlash 1 / 2 tests on the GPU (the Triton kernel with head dims 16 / 32, Gemma 4's
-#    per-type head dims) and benchmarks/draft_cost.py at the full 262144 vocabulary;
-# 6. benchmarks/train_step.py: training tokens/s of `specjax train`'s step (EAGLE-3, DFlash, MTP; the target in
-#    the step and cached) on Gemma 3 270M's shapes, bf16 target, at the CPU configs' batch (8 x 512) and at 64 x 512.
+# In priority order, each step capped by `timeout` so that one slow step cannot eat the lease, all output in
+# OUTDIR/gpu_checks.log and at most 7 files beside it (a device call returns 8):
+# 1. the Triton paged attention kernel compiled for real vs the reference, and the engine with impl="pallas"
+#    giving the XLA path's tokens;
+# 2. benchmarks/serve_batch.py: the continuous-batching scheduler end to end in bfloat16 (Gemma 3 270M's shapes,
+#    random weights: the device has no network for the demo package), AR and n-gram at concurrency 1-64;
+# 3. benchmarks/train_step.py: the EAGLE-3 training step (target in the step, and cached) at 8 x 512 and
+#    64 x 512, bfloat16 target;
+# 4. benchmarks/paged_attention.py: kernel bandwidth against XLA and jax's one-query kernel;
+# 5. benchmarks/tree_step.py: chain vs 16/32/64-node tree steps (EAGLE-3 head, 270M's shapes);
+# 6. benchmarks/draft_cost.py at the full 262144 vocabulary.
+# Long GPU test files (trees, EAGLE-3, Gemma 4, DFlash) are left out: they take minutes of compiles; run them
+# with `pytest tests/test_tree_speculative.py ...` when a lease has the time.
 set -uo pipefail
 out=${1:-gpu_checks_out}
 mkdir -p "$out"
+log="$out/gpu_checks.log"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 if compgen -G '.whl/*.whl' > /dev/null; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-$py -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())' | tee -a "$out/gpu.txt"
-$py -m pytest -q -p no:cacheprovider tests/test_paged_attention_kernel.py -k 'not Interpret' \
-    tests/test_gpu_engine.py 2>&1 | tee "$out/tests.log"
-$py benchmarks/paged_attention.py --batch 1 8 64 --context 4096 32768 --queries 1 4 8 \
-    --json "$out/paged_attention.json" 2>&1 | tee "$out/paged_attention.log"
-$py -m pytest -q -p no:cacheprovider tests/test_tree_speculative.py tests/test_eagle3.py 2>&1 | tee "$out/tree_tests.log"
-$py benchmarks/tree_step.py --model random --rounds 3 --json "$out/tree_step.json" 2>&1 | tee "$out/tree_step.log"
-$py -m pytest -q -p no:cacheprovider tests/test_gemma4.py tests/test_gemma4_assistant.py tests/test_dflash.py \
-    tests/test_dflash2.py 2>&1 | tee "$out/drafter_tests.log"
-$py benchmarks/draft_cost.py --vocab 262144 --rounds 3 --json "$out/draft_cost.json" 2>&1 | tee "$out/draft_cost.log"
-$py benchmarks/train_step.py --model random --batch 8 --len 512 --json "$out/train_step_b8.json" 2>&1 |
-    tee "$out/train_step.log"
-$py benchmarks/train_step.py --model random --batch 64 --len 512 --json "$out/train_step_b64.json" 2>&1 |
-    tee -a "$out/train_step.log"
+step() {  # step SECONDS NAME COMMAND...
+  local limit=$1 name=$2
+  shift 2
+  echo "=== $name (limit ${limit}s) $(date -u +%T)" | tee -a "$log"
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" >> "$log" 2>&1
+  echo "=== $name rc=$? in $((SECONDS - t0))s" | tee -a "$log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >> "$log" 2>&1
+$py -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())' >> "$log" 2>&1
+step 90 kernel-tests $py -m pytest -q -p no:cacheprovider tests/test_paged_attention_kernel.py -k 'not Interpret' \
+  tests/test_gpu_engine.py
+step 200 serve-batch $py benchmarks/serve_batch.py -m random --dtype bfloat16 --arms ar ngram \
+  --concurrency 1 4 16 64 --max-tokens 64 --json "$out/serve_batch.json"
+step 50 train-step-b8 $py benchmarks/train_step.py --model random --kind eagle3 --batch 8 --len 512 --rounds 2 \
+  --json "$out/train_step_b8.json"
+step 50 train-step-b64 $py benchmarks/train_step.py --model random --kind eagle3 --batch 64 --len 512 --rounds 2 \
+  --json "$out/train_step_b64.json"
+step 45 paged-attention $py benchmarks/paged_attention.py --batch 1 64 --context 4096 32768 --queries 1 8 \
+  --json "$out/paged_attention.json"
+step 70 tree-step $py benchmarks/tree_step.py --model random --rounds 2 --json "$out/tree_step.json"
+step 45 draft-cost $py benchmarks/draft_cost.py --vocab 262144 --rounds 2 --json "$out/draft_cost.json"
+echo "=== done $(date -u +%T)" | tee -a "$log"

@@ -373,7 +373,12 @@ def cmd_serve(args) -> int:
   model, engine, options = load_engine(args, drafting=not args.no_spec)
   depth = 0 if args.no_spec else depth_policy(args, engine, options, k)
   scheduler = Scheduler(
-      engine, max_slots=args.max_slots, num_pages=args.num_pages, max_seq_len=args.max_seq_len, num_draft=depth
+      engine,
+      max_slots=args.max_slots,
+      num_pages=args.num_pages,
+      max_seq_len=args.max_seq_len,
+      num_draft=depth,
+      prefix_cache=False if args.no_prefix_cache else None,
   )
   name = args.served_model_name or args.model
   app = serve.app(scheduler, api_key=api_key, model_name=name)
@@ -387,7 +392,11 @@ def cmd_serve(args) -> int:
   scheduler.start()
   try:
     drafter = f'drafter {engine.drafter.name}' if engine.drafter else 'no drafter'
-    print(f'specjax serve: {name} ({drafter}, {args.max_slots} slots) at http://{host}:{args.port}/v1', flush=True)
+    print(
+        f'specjax serve: {name} ({drafter}, {args.max_slots} slots, prefix cache {scheduler.prefix_note}) at '
+        f'http://{host}:{args.port}/v1',
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
   finally:
     scheduler.stop()
@@ -504,6 +513,11 @@ def build_parser() -> argparse.ArgumentParser:
   serve.add_argument('--host', default='127.0.0.1', help='address to bind (default: this machine only)')
   serve.add_argument('--port', type=int, default=8000)
   serve.add_argument('--max-slots', type=int, default=8, help='requests decoded together (batch rows)')
+  serve.add_argument(
+      '--no-prefix-cache',
+      action='store_true',
+      help='prefill every prompt in full (default: requests share the KV pages of repeated prefixes)',
+  )
   serve.add_argument(
       '--api-key',
       default=None,

@@ -14,6 +14,16 @@ from conftest import TINY
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != 'gpu', reason='needs a GPU')
 
+
+@pytest.fixture(autouse=True)
+def ieee_float32():
+  """Full float32 dots on both paths: XLA's default GPU precision for float32 rounds dots to TF32 while the kernel
+  computes IEEE dots, and on a tiny random model with near-tied logits that alone flips a greedy token (seen on an
+  H200, 2026-12-04: the XLA path's second token differed from the CPU's, the kernel's did not)."""
+  with jax.default_matmul_precision('float32'):
+    yield
+
+
 PROMPTS = ['The capital of France is Paris. The capital of', 'def add(a, b):\n    return', 'Hello world']
 
 

@@ -241,6 +241,10 @@ def test_models_health_metrics(served):
       'specjax_free_pages',
       'specjax_preemptions_total',
       'specjax_requests_total{finish_reason="length"}',
+      'specjax_prefix_cache_hits_total',
+      'specjax_prefix_cache_queries_total',
+      'specjax_prefix_cache_pages',
+      'specjax_prefix_cache_evictions_total',
   ):
     assert name in text, name
   sample = re.compile(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [-+0-9.eInf]+')
@@ -324,11 +328,16 @@ def test_serve_command(capsys):
   env = {**os.environ, 'SPECJAX_API_KEY': KEY}
   cmd = [sys.executable, '-m', 'specjax.cli', 'serve', '-m', TINY, '--port', str(port), '--max-seq-len', '64']
   proc = subprocess.Popen(
-      cmd + ['--page-size', '4'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+      cmd + ['--page-size', '4', '--no-prefix-cache'],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      env=env,
+      text=True,
   )
   try:
     line = proc.stdout.readline()
     assert f'http://127.0.0.1:{port}/v1' in line, (line, proc.stderr.read() if proc.poll() is not None else '')
+    assert 'prefix cache off' in line, line
     deadline = time.monotonic() + 30
     while True:
       try:

@@ -168,11 +168,12 @@ class PageAllocator:
   def pages_for(self, num_tokens: int) -> int:
     return math.ceil(num_tokens / self.page_size)
 
-  def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
-    """Reserves pages for `num_tokens` tokens of a new sequence."""
+  def allocate(self, seq_id: int, num_tokens: int, shared: list[int] = ()) -> list[int]:
+    """Reserves pages for `num_tokens` tokens of a new sequence whose first pages are `shared` (pages the
+    prefix cache holds, not taken from the free list)."""
     if seq_id in self._owned:
       raise ValueError(f'sequence {seq_id} already holds pages')
-    self._owned[seq_id] = []
+    self._owned[seq_id] = list(shared)
     return self.extend(seq_id, num_tokens)
 
   def extend(self, seq_id: int, num_tokens: int) -> list[int]:
@@ -191,6 +192,14 @@ class PageAllocator:
 
   def free(self, seq_id: int) -> None:
     self._free.extend(reversed(self._owned.pop(seq_id)))
+
+  def drop(self, seq_id: int) -> list[int]:
+    """Forgets a sequence and returns its pages, freeing none (the caller frees or caches each: `give`)."""
+    return self._owned.pop(seq_id)
+
+  def give(self, pages: list[int]) -> None:
+    """Returns pages to the free list."""
+    self._free.extend(reversed(pages))
 
   def block_table(self, seq_ids: list[int], pages_per_seq: int) -> np.ndarray:
     """`[len(seq_ids), pages_per_seq]` int32 block table, padded with the null page."""

@@ -92,6 +92,9 @@ class Drafter:
   max_depth: int = 16
   tree_tokens: int = 0  # drafts per tree step (0: chains of K drafts)
   default_depth: int | None = None  # K its checkpoint asks for (e.g. num_assistant_tokens); None: the engine's
+  # Tokens past a position its cache entry there depends on (1: heads that pair a position's feature with the
+  # next token); a prefix-cache page's key covers them.
+  prefix_key_lag: int = 0
 
   def verify_width(self, k: int) -> int:
     """Positions one verify pass writes at depth K (the last token and the drafts)."""

@@ -67,6 +67,7 @@ class HeadDrafter(Drafter):
   tree_topk: int = 0  # children per expanded node of a dynamic tree
   tree_parents: tuple[int, ...] = ()  # a static tree: the parent of node i + 1 (0: the root)
   provides_q: bool = True
+  prefix_key_lag = 1  # the head's entry at a position pairs its feature with the next token
 
   # -- family hooks
 

@@ -19,7 +19,10 @@ Pages are allocated as a slot grows (its prompt chunk, then its length plus
 the step's lookahead) and returned when it leaves. When the pool runs out the
 newest request is preempted: its pages are freed and it waits at the head of
 the queue to be prefilled again with the tokens it had (its draws are keyed by
-position, so it continues exactly). The executables are bounded: admit,
+position, so it continues exactly). Full pages of repeated prefixes are shared
+through the prefix cache (`specjax.cache.prefix`): a joining request starts
+past its longest cached run of pages, and a request's committed pages join
+the cache. The executables are bounded: admit,
 deactivate and table updates once; decode and one spec step per depth, each
 greedy or sampled, per bucket of live rows (1, 2, 4, ..: a step computes only the live slots); prefill
 one row a call, per chunk bucket (`executable_set`; `warmup` compiles them ahead).
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.cache.paged import NULL_PAGE, KVCache, PageAllocator
+from specjax.cache.prefix import PrefixIndex
 from specjax.depths import step_depth, verify_widths
 from specjax.drafters.base import BatchPlan
 from specjax.engine import slots
@@ -101,6 +105,9 @@ class Scheduler:
       live slot count, learns from the steps), None: the engine's `default_depth()`.
     prefill_budget: prompt tokens prefilled per step, across joining slots (default: the engine's prefill
       chunk).
+    prefix_cache: share full KV pages of repeated prefixes between requests (`specjax.cache.prefix`): None
+      (default) where the target allows it (not yet for hybrid targets, whose recurrent state is not
+      snapshotted: `prefix_note` says so), True (an error where it can't), False (off).
   """
 
   def __init__(
@@ -112,6 +119,7 @@ class Scheduler:
       max_seq_len: int | None = None,
       num_draft: int | Policy | None = None,
       prefill_budget: int | None = None,
+      prefix_cache: bool | None = None,
   ):
     if max_slots < 1:
       raise SpecjaxError(f'max_slots must be at least 1, got {max_slots}')
@@ -164,6 +172,8 @@ class Scheduler:
         drafted=0,
         accepted=0,
         spec_steps=0,
+        prefix_lookup_tokens=0,  # prompt tokens of admissions, looked up in the prefix cache
+        prefix_hit_tokens=0,  # of those, found cached (not prefilled)
     )
     self.accepted_at = [0] * max(self.max_depth, 1)
     self.drafted_at = [0] * max(self.max_depth, 1)
@@ -171,9 +181,28 @@ class Scheduler:
     self.pstate = self.policy.init() if self.policy else None
     self.state = self._initial_state()
     self.fresh = self._initial_state(num_pages=2)  # one empty row, repeated; its pools are never read
+    self.prefix, self.prefix_note = self._prefix_index(prefix_cache)
     self.pending = np.zeros(max_slots, np.int32)  # drafts_ahead drafters: each slot's drafts for the next step
 
   # -- set-up
+
+  def _prefix_index(self, wanted: bool | None) -> tuple[PrefixIndex | None, str]:
+    if wanted is False:
+      return None, 'off'
+    if self.model.is_hybrid:
+      note = 'off: hybrid targets are not prefix-cached yet (their recurrent state is not snapshotted)'
+      if wanted:
+        raise SpecjaxError(f'prefix_cache=True: {note[5:]}')
+      return None, note
+    own = any(isinstance(x, KVCache) for x in jax.tree.leaves(self.state.drafter, is_leaf=slots.is_cache))
+    # A drafter cache trails the target's by its pending positions (at most a step's K + 1): a page is cached
+    # once it lies that far below the request's length, so the drafter's entries in it are written too.
+    self.prefix_trail = self.max_depth + 1 if own else 0
+    lag = self.drafter.prefix_key_lag if self.drafter else 0
+    dtype = np.dtype(self.model.dtype).name
+    drafter = f'{self.drafter.name}@{id(self.drafter):x}' if own else 'no drafter cache'
+    identity = f'{self.model.source}|{self.model.architecture}|{id(self.model.params):x}|{dtype}|{drafter}'
+    return PrefixIndex(self.page_size, identity, lag), 'on'
 
   def pages_for(self, tokens: int) -> int:
     return math.ceil(tokens / self.page_size)
@@ -328,8 +357,11 @@ class Scheduler:
           self.counters,
           live_slots=busy,
           max_slots=self.max_slots,
-          free_pages=self.allocator.free_pages,
+          free_pages=self._free_pages(),
           total_pages=self.num_pages - 1,
+          prefix_cache=self.prefix_note,
+          prefix_cached_pages=self.prefix.cached_pages if self.prefix else 0,
+          prefix_evictions=self.prefix.evictions if self.prefix else 0,
           waiting=len(self.waiting) + self._inbox.qsize(),
           drafter=self.drafter.name if self.drafter else None,
           accepted_at=list(self.accepted_at),
@@ -390,7 +422,7 @@ class Scheduler:
       if counter:
         self.counters[counter] += 1
       if job.slot >= 0:
-        self.allocator.free(job.slot)
+        self._release(job, self.allocator.drop(job.slot))
         self.slots[job.slot] = None
     if job.slot >= 0:
       self.tables[job.slot] = NULL_PAGE
@@ -398,6 +430,31 @@ class Scheduler:
       if job.active and deactivate:
         self._deactivate([job.slot])
       job.slot, job.active = -1, False
+
+  def _free_pages(self) -> int:
+    """Pages a request can get: free, or cached and held by none."""
+    return self.allocator.free_pages + (self.prefix.evictable if self.prefix else 0)
+
+  def _release(self, job: _Job, pages: list[int]) -> None:
+    """A leaving job's pages: its full committed pages join the prefix cache, cached pages lose its reference,
+    the rest are freed."""
+    if self.prefix:
+      self._register(job, job.length if job.active else job.prefilled)
+      for page in [p for p in pages if self.prefix.holds(p)]:
+        self.prefix.release(page)
+      pages = [p for p in pages if not self.prefix.holds(p)]
+    self.allocator.give(pages)
+
+  def _register(self, job: _Job, filled: int) -> None:
+    """Caches the job's pages that lie wholly below `filled` committed positions (less the drafter's trail)."""
+    seq = list(job.request.prompt) + job.generated
+    held = int((self.tables[job.slot] != NULL_PAGE).sum())
+    n = min(self.prefix.full_pages(len(seq)), max(filled - self.prefix_trail, 0) // self.page_size, held)
+    parent, parent_page = self.prefix.root, None
+    for key, page in zip(self.prefix.chain(seq, n), self.tables[job.slot, :n].tolist()):
+      if not self.prefix.holds(page):
+        self.prefix.insert(key, parent, page, parent_page)
+      parent, parent_page = key, page
 
   def _finish(self, job: _Job, reason: str, tokens=(), logprobs=(), deactivate: bool = True) -> None:
     text = job.text[job.sent :]
@@ -431,7 +488,8 @@ class Scheduler:
       job = self.waiting[0]
       todo = list(job.request.prompt) + job.generated
       busy = self.max_slots - len(free)
-      if busy and self.pages_for(len(todo) + self.lookahead) + busy > self.allocator.free_pages:
+      hit = self.prefix.match(todo, (len(todo) - 1) // self.page_size) if self.prefix else []  # >= 1 to prefill
+      if busy and self.pages_for(len(todo) + self.lookahead) - len(hit) + busy > self._free_pages():
         break  # wait for pages: its prompt, and a page of growth for each busy slot (else it would be preempted)
       self.waiting.popleft()
       slot = free.pop(0)
@@ -440,10 +498,17 @@ class Scheduler:
         job.order = self._order
         with self._lock:
           self.counters['prompt_tokens'] += len(job.request.prompt)
-      job.slot, job.todo, job.prefilled, job.active = slot, todo, 0, False
+      job.slot, job.todo, job.prefilled, job.active = slot, todo, len(hit) * self.page_size, False
       with self._lock:
-        self.allocator.allocate(slot, 0)
+        if self.prefix:
+          self.prefix.acquire([key for key, _ in hit])
+          self.counters['prefix_lookup_tokens'] += len(todo)
+          self.counters['prefix_hit_tokens'] += job.prefilled
+        self.allocator.allocate(slot, 0, shared=[page for _, page in hit])
         self.slots[slot] = job
+      if hit:
+        self.tables[slot, : len(hit)] = [page for _, page in hit]
+        self._tables_dirty = True
       joined.append(job)
     if not joined:
       return
@@ -451,6 +516,7 @@ class Scheduler:
     rows = np.full(n, n, np.int32)
     tokens = np.zeros((n, c), np.int32)
     max_new, num_generated, seq_ids = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
+    lengths = np.zeros(n, np.int32)
     params = [SamplingParams()] * n
     eos = np.full((n, len(self.eos)), -1, np.int32)
     for i, job in enumerate(joined):
@@ -458,11 +524,12 @@ class Scheduler:
       rows[i] = job.slot
       tokens[i, : len(job.todo)] = job.todo
       max_new[i], num_generated[i], seq_ids[i] = r.max_tokens, len(job.generated), r.seq_id
+      lengths[i] = job.prefilled  # a cached prefix: every cache of the row starts past it
       params[i] = r.sampling
       if not r.ignore_eos:
         eos[i] = self.eos
     sampling = RowSampling.of(params)
-    args = (self.state, self.fresh, rows, tokens, max_new, num_generated, seq_ids, sampling, eos)
+    args = (self.state, self.fresh, rows, tokens, max_new, num_generated, seq_ids, sampling, eos, lengths)
     self.state = self._call('admit', slots.admit, args)
 
   def _grow(self, job: _Job, tokens: int) -> None:
@@ -473,6 +540,11 @@ class Scheduler:
           pages = self.allocator.extend(job.slot, min(tokens, self.capacity))
         break
       except OutOfPagesError:
+        if self.prefix and self.prefix.evictable:  # cached pages no request holds go first
+          short = self.pages_for(min(tokens, self.capacity)) - int((self.tables[job.slot] != NULL_PAGE).sum())
+          with self._lock:
+            self.allocator.give(self.prefix.evict(max(short - self.allocator.free_pages, 1)))
+          continue
         victim = max((j for j in self.slots if j), key=lambda j: j.order)
         self._preempt(victim)
         if victim is job:
@@ -530,6 +602,9 @@ class Scheduler:
       )
       self.state, out = self._call('prefill', slots.prefill_rows, args, static, donate=(2,))
       outs.append(out)
+      if finish and self.prefix:  # its prompt's pages serve the requests that join while it runs
+        with self._lock:
+          self._register(job, job.length)
     self._prefill_batch = batch
     return outs
 

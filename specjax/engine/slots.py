@@ -31,7 +31,7 @@ from specjax.step import DecodeState, draft_context, emit, prefill_chunk, propos
 _ROW_FIELDS = ('block_tables', 'lengths', 'ssm', 'conv', 'state_slot')
 
 
-def _is_cache(x) -> bool:
+def is_cache(x) -> bool:
   return isinstance(x, KVCache)
 
 
@@ -44,7 +44,7 @@ def _map_rows(fn, tree, *others):
       return dataclasses.replace(x, **fields)
     return fn(x, *ys)
 
-  return jax.tree.map(one, tree, *others, is_leaf=_is_cache)
+  return jax.tree.map(one, tree, *others, is_leaf=is_cache)
 
 
 def take_rows(tree, rows: jax.Array):  # rows [R]; out-of-range rows read the last row (padding)
@@ -57,7 +57,7 @@ def put_rows(tree, sub, rows: jax.Array, pools: bool = True):
   if not pools:
     return out
   swap = lambda x, s: dataclasses.replace(x, k_pages=s.k_pages, v_pages=s.v_pages) if isinstance(x, KVCache) else x
-  return jax.tree.map(swap, out, sub, is_leaf=_is_cache)
+  return jax.tree.map(swap, out, sub, is_leaf=is_cache)
 
 
 def keep_rows(new, old, keep: jax.Array):
@@ -69,7 +69,7 @@ def keep_rows(new, old, keep: jax.Array):
 def set_tables(state: DecodeState, tables: jax.Array) -> DecodeState:  # tables [B, pages_per_seq]
   """Points every KVCache of the state (the target's and the drafter's) at the host's block tables."""
   put = lambda x: dataclasses.replace(x, block_tables=tables) if isinstance(x, KVCache) else x
-  return jax.tree.map(put, state, is_leaf=_is_cache)
+  return jax.tree.map(put, state, is_leaf=is_cache)
 
 
 # ---------------------------------------------------------------- jitted bodies (graphdef, params first)
@@ -87,12 +87,15 @@ def admit(
     seq_ids,
     sampling,
     eos,
+    lengths,
 ):
   """Resets slots `rows` [R] for new requests: `fresh`'s per-row values (empty caches, the drafter's initial
   state), tokens [R, C], budgets, seq ids, each row's sampling settings and EOS ids [R, E]; inactive until
-  its prefill ends."""
+  its prefill ends. lengths [R]: positions every cache of the row already holds (a cached prefix's pages)."""
   del graphdef, params
   sub = take_rows(fresh, jnp.zeros_like(rows))  # every row of `fresh` is the same empty row
+  at = lambda x: dataclasses.replace(x, lengths=lengths.astype(jnp.int32)) if isinstance(x, KVCache) else x
+  sub = jax.tree.map(at, sub, is_leaf=is_cache)
   sub = dataclasses.replace(
       sub,
       tokens=tokens,

@@ -98,6 +98,9 @@ class ServeMetrics:
         ('steps', 'specjax_scheduler_steps_total', 'Scheduler steps (target forwards of the batch).'),
         ('requests_finished', 'specjax_scheduler_requests_finished_total', 'Requests the scheduler finished.'),
         ('requests_cancelled', 'specjax_scheduler_requests_cancelled_total', 'Requests the scheduler cancelled.'),
+        ('prefix_lookup_tokens', 'specjax_prefix_cache_queries_total', 'Prompt tokens looked up in the prefix cache.'),
+        ('prefix_hit_tokens', 'specjax_prefix_cache_hits_total', 'Prompt tokens found in the prefix cache.'),
+        ('prefix_evictions', 'specjax_prefix_cache_evictions_total', 'Cached KV pages evicted.'),
     )
     for key, name, help in counters:
       metric(name, 'counter', help, [({}, snap.get(key, 0))])
@@ -105,7 +108,8 @@ class ServeMetrics:
         ('live_slots', 'specjax_live_slots', 'Requests in the running batch.'),
         ('max_slots', 'specjax_max_slots', 'Batch slots.'),
         ('waiting', 'specjax_waiting_requests', 'Requests queued for a slot.'),
-        ('free_pages', 'specjax_free_pages', 'Free KV cache pages.'),
+        ('free_pages', 'specjax_free_pages', 'KV cache pages a request can get (free, or cached and unused).'),
+        ('prefix_cached_pages', 'specjax_prefix_cache_pages', 'KV pages held by the prefix cache.'),
         ('total_pages', 'specjax_total_pages', 'KV cache pages.'),
     )
     for key, name, help in gauges:

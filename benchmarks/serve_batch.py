@@ -1,0 +1,159 @@
+"""The scheduler's batching throughput in process: output tokens/s against concurrency, with no HTTP in the way.
+
+  python benchmarks/serve_batch.py [-m gemma-3-270m | random] [--arms ar ngram] [--concurrency 1 4 16 64]
+      [--requests N] [--max-tokens 64] [--ngram-k 4] [--dtype bfloat16] [--json out.json]
+
+One `Scheduler` per arm (`ar`: no drafter; `ngram`: prompt lookup at depth `--ngram-k`) with as many slots as
+the largest concurrency, compiled ahead by `Scheduler.warmup()`. At each concurrency C, C client threads each
+submit their next request when the last one finished (closed loop) until `--requests` (default 2C, at least 8)
+are done; one untimed pass first, then the timed one. Prompts are Spec-Bench first turns, category-balanced
+(as benchmarks/serve_load.py picks them) for a real model; for `-m random` (Gemma 3 270M's shapes with random
+weights, a device without the demo package) 64 random token ids each, and every request runs its full
+`--max-tokens` (`ignore_eos`). Set against serve_load.py's figures for the same arm, the gap is what HTTP,
+streaming and the client cost; set against each other, the levels show how a step's cost grows with its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / 'benchmarks'))
+
+import specjax  # pylint: disable=g-import-not-at-top
+from specjax.drafters import make_drafter
+from specjax.engine.requests import Request
+from specjax.engine.scheduler import Scheduler
+
+
+def closed_loop(scheduler: Scheduler, prompts: list[list[int]], c: int, n: int, max_tokens: int, ignore_eos: bool):
+  """n requests, c in flight: returns (wall s, results)."""
+  lock, nxt, results = threading.Lock(), [0], []
+
+  def client():
+    while True:
+      with lock:
+        i, nxt[0] = nxt[0], nxt[0] + 1
+      if i >= n:
+        return
+      request = Request(prompts[i % len(prompts)], max_tokens=max_tokens, ignore_eos=ignore_eos, seq_id=i)
+      out = scheduler.submit(request).result()
+      with lock:
+        results.append(out)
+
+  threads = [threading.Thread(target=client) for _ in range(c)]
+  start = time.perf_counter()
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  return time.perf_counter() - start, results
+
+
+def level(scheduler: Scheduler, prompts, c: int, n: int, max_tokens: int, ignore_eos: bool) -> dict:
+  closed_loop(scheduler, prompts, c, n, max_tokens, ignore_eos)  # untimed
+  before = dict(scheduler.counters)
+  wall, results = closed_loop(scheduler, prompts, c, n, max_tokens, ignore_eos)
+  delta = {k: scheduler.counters[k] - before[k] for k in before}
+  tokens = sum(len(r.tokens) for r in results)
+  ttft = [r.stats.first_token - r.stats.submitted for r in results if r.stats.first_token]
+  return {
+      'concurrency': c,
+      'requests': n,
+      'wall_s': wall,
+      'output_tokens': tokens,
+      'tok_s': tokens / wall,
+      'ttft_p50_s': statistics.median(ttft) if ttft else None,
+      'steps': delta['steps'],
+      'step_ms': 1e3 * wall / max(delta['steps'], 1),
+      'tau': 1 + delta['accepted'] / delta['spec_steps'] if delta['spec_steps'] else 1.0,
+      'preemptions': delta['preemptions'],
+  }
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('-m', '--model', default='gemma-3-270m', help="anything `load` takes, or 'random' (270M's shapes)")
+  p.add_argument('--arms', nargs='+', choices=['ar', 'ngram'], default=['ar', 'ngram'])
+  p.add_argument('--concurrency', type=int, nargs='+', default=[1, 4, 16, 64])
+  p.add_argument('--requests', type=int, default=None, help='requests per timed pass (default 2C, at least 8)')
+  p.add_argument('--prompts', type=int, default=16)
+  p.add_argument('--max-tokens', type=int, default=64)
+  p.add_argument('--ngram-k', type=int, default=4)
+  p.add_argument('--max-seq-len', type=int, default=1024)
+  p.add_argument('--dtype', default=None, help='default: float32 on CPU, bfloat16 on an accelerator')
+  p.add_argument('--json', default=None)
+  args = p.parse_args(argv)
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  if args.model == 'random':
+    from tree_step import gemma3_270m_random  # pylint: disable=g-import-not-at-top
+
+    model = gemma3_270m_random(args.dtype)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, model.config.vocab_size, 64).tolist() for _ in range(args.prompts)]
+    ignore_eos = True
+  else:
+    from serve_load import pick_prompts  # pylint: disable=g-import-not-at-top
+
+    model = specjax.load(args.model, dtype=args.dtype)
+    prompts = [model.tokenizer.encode(q.text) for q in pick_prompts(args.prompts)]
+    ignore_eos = False
+  out = {
+      'model': args.model,
+      'dtype': str(model.dtype),
+      'device': str(jax.devices()[0]),
+      'machine': platform.processor() or platform.machine(),
+      'args': vars(args),
+      'arms': {},
+  }
+  for arm in args.arms:
+    drafting = arm == 'ngram'
+    engine = specjax.Engine(
+        model,
+        drafter=make_drafter('ngram', model) if drafting else None,
+        max_draft=args.ngram_k,
+        max_seq_len=args.max_seq_len,
+    )
+    scheduler = Scheduler(engine, max_slots=max(args.concurrency), num_draft=args.ngram_k if drafting else 0)
+    compile_s = scheduler.warmup()
+    print(
+        f'{arm}: warm-up compiled {len(scheduler.executable_set(sampled=False))} executables in {compile_s:.0f} s',
+        flush=True,
+    )
+    rows = []
+    with scheduler:
+      for c in args.concurrency:
+        n = args.requests or max(2 * c, 8)
+        rows.append(level(scheduler, prompts, c, n, args.max_tokens, ignore_eos))
+        r = rows[-1]
+        print(
+            f'{arm} C={c}: {r["tok_s"]:.1f} tok/s, {r["step_ms"]:.1f} ms/step, tau {r["tau"]:.2f}, '
+            f'TTFT p50 {r["ttft_p50_s"]:.3f} s',
+            flush=True,
+        )
+    out['arms'][arm] = {'warmup_compile_s': compile_s, 'levels': rows}
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+  c1 = {arm: v['levels'][0]['tok_s'] for arm, v in out['arms'].items()}
+  print(f'| arm | {" | ".join(f"C={c} tok/s" for c in args.concurrency)} | warm-up compile s |')
+  print('|---|' + '---|' * (len(args.concurrency) + 1))
+  for arm, v in out['arms'].items():
+    cells = ' | '.join(f'{r["tok_s"]:.1f} ({r["tok_s"] / c1[arm]:.1f}x)' for r in v['levels'])
+    print(f'| {arm} | {cells} | {v["warmup_compile_s"]:.0f} |')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
