@@ -543,8 +543,10 @@ class Scheduler:
         if self.prefix and self.prefix.evictable:  # cached pages no request holds go first
           short = self.pages_for(min(tokens, self.capacity)) - int((self.tables[job.slot] != NULL_PAGE).sum())
           with self._lock:
-            self.allocator.give(self.prefix.evict(max(short - self.allocator.free_pages, 1)))
-          continue
+            freed = self.prefix.evict(max(short - self.allocator.free_pages, 1))
+            self.allocator.give(freed)
+          if freed:
+            continue
         victim = max((j for j in self.slots if j), key=lambda j: j.order)
         self._preempt(victim)
         if victim is job:
