@@ -191,7 +191,7 @@ class PageAllocator:
     return list(owned)
 
   def free(self, seq_id: int) -> None:
-    self._free.extend(reversed(self._owned.pop(seq_id)))
+    self.give(self.drop(seq_id))
 
   def drop(self, seq_id: int) -> list[int]:
     """Forgets a sequence and returns its pages, freeing none (the caller frees or caches each: `give`)."""

@@ -45,6 +45,7 @@ class PrefixIndex:
     self._by_key: dict[bytes, _Entry] = {}
     self._key_of: dict[int, bytes] = {}  # page id -> key
     self._tick = 0
+    self._unheld = 0  # entries with no reference
     self.evictions = 0
 
   # -- keys
@@ -78,6 +79,7 @@ class PrefixIndex:
     self._tick += 1
     for key in keys:
       entry = self._by_key[key]
+      self._unheld -= entry.refs == 0
       entry.refs += 1
       entry.tick = self._tick
 
@@ -89,6 +91,7 @@ class PrefixIndex:
     if entry.refs <= 0:
       raise AssertionError(f'page {page} released more often than acquired')
     entry.refs -= 1
+    self._unheld += entry.refs == 0
 
   def insert(self, key: bytes, parent: bytes, page: int, parent_page: int | None = None) -> bool:
     """Caches `page` under `key` with one reference (its writer's, which holds `parent_page`, the page before it).
@@ -117,7 +120,7 @@ class PrefixIndex:
   @property
   def evictable(self) -> int:
     """Pages no request holds (they can all go, leaves first)."""
-    return sum(1 for e in self._by_key.values() if e.refs == 0)
+    return self._unheld
 
   def evict(self, n: int) -> list[int]:
     """Frees up to `n` unreferenced pages, least recently used leaves first; returns their ids."""
@@ -132,6 +135,7 @@ class PrefixIndex:
       if entry.parent is not None:
         self._by_key[entry.parent].children -= 1
       freed.append(entry.page)
+      self._unheld -= 1
       self.evictions += 1
     return freed
 
@@ -144,3 +148,4 @@ class PrefixIndex:
       if e.parent is not None:
         children[e.parent] += 1
     assert all(self._by_key[k].children == c for k, c in children.items())
+    assert self._unheld == sum(e.refs == 0 for e in self._by_key.values())

@@ -194,7 +194,7 @@ class Scheduler:
       if wanted:
         raise SpecjaxError(f'prefix_cache=True: {note[5:]}')
       return None, note
-    own = any(isinstance(x, KVCache) for x in jax.tree.leaves(self.state.drafter, is_leaf=slots.is_cache))
+    own = any(map(slots.is_cache, jax.tree.leaves(self.state.drafter, is_leaf=slots.is_cache)))
     # A drafter cache trails the target's by its pending positions (at most a step's K + 1): a page is cached
     # once it lies that far below the request's length, so the drafter's entries in it are written too.
     self.prefix_trail = self.max_depth + 1 if own else 0

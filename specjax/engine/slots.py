@@ -35,6 +35,11 @@ def is_cache(x) -> bool:
   return isinstance(x, KVCache)
 
 
+def map_caches(fn, tree):
+  """fn(cache) on every KVCache of `tree` (the target's and the drafter's); other leaves as they are."""
+  return jax.tree.map(lambda x: fn(x) if is_cache(x) else x, tree, is_leaf=is_cache)
+
+
 def _map_rows(fn, tree, *others):
   """fn(leaf, *other leaves) on every per-row array; a KVCache's pools come from `tree`."""
 
@@ -68,8 +73,7 @@ def keep_rows(new, old, keep: jax.Array):
 
 def set_tables(state: DecodeState, tables: jax.Array) -> DecodeState:  # tables [B, pages_per_seq]
   """Points every KVCache of the state (the target's and the drafter's) at the host's block tables."""
-  put = lambda x: dataclasses.replace(x, block_tables=tables) if isinstance(x, KVCache) else x
-  return jax.tree.map(put, state, is_leaf=is_cache)
+  return map_caches(lambda x: dataclasses.replace(x, block_tables=tables), state)
 
 
 # ---------------------------------------------------------------- jitted bodies (graphdef, params first)
@@ -94,8 +98,7 @@ def admit(
   its prefill ends. lengths [R]: positions every cache of the row already holds (a cached prefix's pages)."""
   del graphdef, params
   sub = take_rows(fresh, jnp.zeros_like(rows))  # every row of `fresh` is the same empty row
-  at = lambda x: dataclasses.replace(x, lengths=lengths.astype(jnp.int32)) if isinstance(x, KVCache) else x
-  sub = jax.tree.map(at, sub, is_leaf=is_cache)
+  sub = map_caches(lambda x: dataclasses.replace(x, lengths=lengths.astype(jnp.int32)), sub)
   sub = dataclasses.replace(
       sub,
       tokens=tokens,
