@@ -165,6 +165,8 @@ def test_outputs_and_acceptance_equal_with_and_without_the_prefix_cache(case):
   assert [r.tokens for r in off] == want and [r.tokens for r in on] == want
   assert metrics['prefix_hit_tokens'] >= len(target.tokenizer.encode(SYSTEM)) * (len(prompts) - 1) // 2, metrics
   assert [r.stats.accepted for r in on] == [r.stats.accepted for r in off]
+  if case in ('ngram', 'draft-model', 'layer-skip'):  # the others' tiny random drafters accept nothing here
+    assert sum(r.stats.accepted for r in on) > 0
   assert metrics['free_pages'] == metrics['total_pages'] and metrics['prefix_cached_pages'] > 0
 
 
