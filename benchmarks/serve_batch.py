@@ -1,7 +1,8 @@
 """The scheduler's batching throughput in process: output tokens/s against concurrency, with no HTTP in the way.
 
   python benchmarks/serve_batch.py [-m gemma-3-270m | random] [--arms ar ngram] [--concurrency 1 4 16 64]
-      [--requests N] [--max-tokens 64] [--ngram-k 4] [--dtype bfloat16] [--json out.json]
+      [--requests N] [--max-tokens 64] [--ngram-k 4] [--dtype bfloat16] [--prefill-chunk 512]
+      [--prefill-budget N] [--json out.json]
 
 One `Scheduler` per arm (`ar`: no drafter; `ngram`: prompt lookup at depth `--ngram-k`) with as many slots as
 the largest concurrency, compiled ahead by `Scheduler.warmup()`. At each concurrency C, C client threads each
@@ -11,6 +12,10 @@ are done; one untimed pass first, then the timed one. Prompts are Spec-Bench fir
 weights, a device without the demo package) 64 random token ids each, and every request runs its full
 `--max-tokens` (`ignore_eos`). Set against serve_load.py's figures for the same arm, the gap is what HTTP,
 streaming and the client cost; set against each other, the levels show how a step's cost grows with its rows.
+The warm-up compiles a decode (and, drafting, a spec) step per power-of-two row bucket up to the largest
+concurrency and a prefill per chunk bucket up to `--prefill-chunk` (the engine's largest, default 512):
+`--prefill-chunk 64` with `--prefill-budget 512` (prompt tokens prefilled a step, the scheduler's option; by
+default the chunk) runs 64-token prompts exactly as the defaults do, on three prefill executables instead of six.
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ def main(argv=None) -> int:
   p.add_argument('--ngram-k', type=int, default=4)
   p.add_argument('--max-seq-len', type=int, default=1024)
   p.add_argument('--dtype', default=None, help='default: float32 on CPU, bfloat16 on an accelerator')
+  p.add_argument('--prefill-chunk', type=int, default=512, help="the engine's largest prefill bucket")
+  p.add_argument('--prefill-budget', type=int, default=None, help="the scheduler's prompt tokens a step")
   p.add_argument('--json', default=None)
   args = p.parse_args(argv)
 
@@ -125,8 +132,14 @@ def main(argv=None) -> int:
         drafter=make_drafter('ngram', model) if drafting else None,
         max_draft=args.ngram_k,
         max_seq_len=args.max_seq_len,
+        prefill_chunk=args.prefill_chunk,
     )
-    scheduler = Scheduler(engine, max_slots=max(args.concurrency), num_draft=args.ngram_k if drafting else 0)
+    scheduler = Scheduler(
+        engine,
+        max_slots=max(args.concurrency),
+        num_draft=args.ngram_k if drafting else 0,
+        prefill_budget=args.prefill_budget,
+    )
     compile_s = scheduler.warmup()
     print(
         f'{arm}: warm-up compiled {len(scheduler.executable_set(sampled=False))} executables in {compile_s:.0f} s',

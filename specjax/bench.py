@@ -140,6 +140,7 @@ def _time_rounds(fns: dict, state, repeats: int = 7) -> tuple[dict[str, float], 
 def calibrate(engine: Engine, prompt: list[int], k: int, sampling: SamplingParams = SamplingParams()) -> dict:
   """Times one autoregressive step, the drafter's propose for k, and the k + 1 verify pass, each alone."""
   eos = jnp.asarray([-1], jnp.int32)
+  sampling = sampling.unconstrained()  # costs of the steps themselves
   state = engine.prefill([prompt], 64, sampling, eos)
   params, drafter = engine.model.params, engine.drafter
   dparams = drafter.params()

@@ -89,6 +89,17 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--min-p', type=float, default=0.0)
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--json', action='store_true', help='print one JSON object instead of streaming text')
+  _add_constraint_args(p)
+
+
+def _add_constraint_args(p: argparse.ArgumentParser) -> None:
+  group = p.add_mutually_exclusive_group()
+  group.add_argument('--json-schema', metavar='FILE', help='constrain the output to this JSON Schema (a .json file)')
+  group.add_argument('--regex', metavar='R', help='constrain the output to match this regex')
+  group.add_argument(
+      '--grammar', metavar='FILE', help="constrain the output to this grammar (llguidance's Lark, or llama.cpp GBNF)"
+  )
+  group.add_argument('--json-object', action='store_true', help='constrain the output to any JSON object')
 
 
 def read_prompt_file(path: str, per_line: bool = False) -> list[str]:
@@ -142,8 +153,23 @@ def read_prompts(args) -> list[str]:
 def sampling_from_args(args):
   from specjax.sampling import SamplingParams
 
+  def read(flag, path):
+    try:
+      with open(path, encoding='utf-8') as f:
+        return f.read()
+    except OSError as e:
+      raise SpecjaxError(f'{flag} {path!r}: {e.strerror}') from None
+
   params = SamplingParams(
-      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed
+      temperature=args.temperature,
+      top_k=args.top_k,
+      top_p=args.top_p,
+      min_p=args.min_p,
+      seed=args.seed,
+      json_schema=read('--json-schema', args.json_schema) if args.json_schema else None,
+      regex=args.regex,
+      grammar=read('--grammar', args.grammar) if args.grammar else None,
+      json_object=args.json_object,
   )
   params.validate()
   return params
@@ -162,6 +188,10 @@ def cmd_generate(args) -> int:
 
 
 def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) -> int:
+  if sampling.constraint is not None:  # a bad schema, regex or grammar: an error before the prompt is echoed
+    from specjax.grammar import compile_constraint
+
+    compile_constraint(model, sampling.constraint)
   stream = None
   if not args.json and len(prompts) == 1:
     _Stdout.write(prompts[0])
@@ -561,6 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
   bench.add_argument('--min-p', type=float, default=0.0)
   bench.add_argument('--seed', type=int, default=0)
   bench.add_argument('--json', action='store_true')
+  _add_constraint_args(bench)
   bench.add_argument('--quiet', action='store_true')
   bench.set_defaults(func=cmd_bench)
   sweep = sub.add_parser('sweep', help='run every cell of a config grid (resumable) into one output directory')

@@ -32,6 +32,8 @@ class SpecMetrics:
   draft_s: float = 0.0
   verify_s: float = 0.0
   total_s: float = 0.0
+  forced_drafted: int = 0  # grammar-forced drafts verified (`grammar+<family>`)
+  forced_accepted: int = 0  # of which accepted
 
   def __post_init__(self):
     if self.accepted_at is None:
@@ -70,6 +72,8 @@ class SpecMetrics:
       out.draft_s += m.draft_s
       out.verify_s += m.verify_s
       out.total_s += m.total_s
+      out.forced_drafted += m.forced_drafted
+      out.forced_accepted += m.forced_accepted
     return out
 
   @property
@@ -109,4 +113,6 @@ class SpecMetrics:
         'draft_s': self.draft_s,
         'verify_s': self.verify_s,
         'total_s': self.total_s,
+        'forced_drafted': self.forced_drafted,
+        'forced_accepted': self.forced_accepted,
     }

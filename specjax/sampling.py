@@ -24,8 +24,10 @@ do not depend on batch composition or padding.
 
 from collections.abc import Callable
 import dataclasses
+import json
 import math
 import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,10 +58,34 @@ class SamplingParams:
   top_p: float = 1.0  # 1 = off.
   min_p: float = 0.0  # 0 = off.
   seed: int = 0
+  # Constrained decoding (`specjax.grammar`), at most one: a JSON Schema (a dict or its JSON text), a regex, a
+  # Lark grammar (llguidance's dialect; GBNF is converted), or any JSON object. The engine compiles it per request
+  # and keeps it out of the jitted step (`unconstrained`).
+  json_schema: Any = None
+  regex: str | None = None
+  grammar: str | None = None
+  json_object: bool = False
+
+  def __post_init__(self):
+    if isinstance(self.json_schema, dict):  # frozen and hashable: keep the schema as JSON text (key order kept:
+      object.__setattr__(self, 'json_schema', json.dumps(self.json_schema))  # properties are generated in it)
 
   @property
   def is_greedy(self) -> bool:
     return self.temperature == 0.0
+
+  @property
+  def constraint(self) -> tuple[str, str] | None:
+    """(kind, source) of the request's constraint: ('json_schema' | 'regex' | 'grammar', text) or
+    ('json_schema', '{"type": "object"}') for `json_object`; None when unconstrained."""
+    given = [(k, getattr(self, k)) for k in ('json_schema', 'regex', 'grammar') if getattr(self, k) is not None]
+    if self.json_object:
+      given.append(('json_schema', '{"type": "object"}'))
+    return given[0] if given else None
+
+  def unconstrained(self) -> 'SamplingParams':
+    """These settings without the constraint: what the jitted steps take as a static argument."""
+    return dataclasses.replace(self, json_schema=None, regex=None, grammar=None, json_object=False)
 
   def validate(self) -> 'SamplingParams':
     """Returns self, or raises SpecjaxError naming the bad field."""
@@ -85,6 +111,13 @@ class SamplingParams:
       raise bad('min_p', 'in [0, 1) (0 = off)')
     if not 0 <= self.seed <= MAX_SEED:
       raise bad('seed', f'in [0, {MAX_SEED}]')
+    kinds = [k for k in ('json_schema', 'regex', 'grammar') if getattr(self, k) is not None]
+    kinds += ['json_object'] if self.json_object else []
+    if len(kinds) > 1:
+      raise SpecjaxError(f'one constraint per request: got {" and ".join(kinds)}')
+    for name in ('json_schema', 'regex', 'grammar'):
+      if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+        raise bad(name, 'text' + (' or a dict' if name == 'json_schema' else ''))
     return self
 
 

@@ -32,6 +32,7 @@ from specjax import sampling as sampling_lib
 from specjax import trees
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import DraftContext
+from specjax.grammar.bitmask import mask_law, mask_logits
 from specjax.models.contract import StepInputs, append
 from specjax.sampling import SamplingParams
 from specjax.verify import verify, verify_tree
@@ -67,12 +68,14 @@ def prefill_chunk(graphdef, params, cache, tokens, query_lens, last_hidden, taps
   return cache, jnp.where((query_lens > 0)[:, None], chunk_last, last_hidden), hidden, tapped
 
 
-def emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams, logprobs: bool = False):
+def emit(model, hidden, state: DecodeState, eos_ids, sampling: SamplingParams, logprobs: bool = False, bitmask=None):
   """Samples each active row's next token from `hidden` [B, D] and updates `state`.
 
-  `logprobs=True` returns (state, the target's log-probability of each row's token [B]).
+  `logprobs=True` returns (state, the target's log-probability of each row's token [B]). `bitmask` [B, W]: each
+  row's grammar mask (`specjax.grammar`).
   """
   logits = model.logits(hidden).astype(jnp.float32)
+  logits = logits if bitmask is None else mask_logits(logits, bitmask)
   keys = sampling_lib.row_keys(sampling.seed, state.seq_ids, state.cache.lengths)
   tokens = sampling_lib.sample(logits, sampling, keys)
   tokens = jnp.where(state.active, tokens, state.last_tokens)
@@ -107,20 +110,29 @@ def drafter_prefill(graphdef, params, dparams, dstate, tokens, query_lens, hidde
   return drafter.prefill(nnx.merge(graphdef, params), dparams, dstate, tokens, query_lens, hidden, taps)
 
 
-def start(graphdef, params, state, last_hidden, eos_ids, sampling):
-  return emit(nnx.merge(graphdef, params), last_hidden, state, eos_ids, sampling)
+def start(graphdef, params, state, last_hidden, eos_ids, sampling, bitmask=None):
+  return emit(nnx.merge(graphdef, params), last_hidden, state, eos_ids, sampling, bitmask=bitmask)
+
+
+def constrained_start(graphdef, params, state, last_hidden, eos_ids, bitmask, *, sampling):
+  return start(graphdef, params, state, last_hidden, eos_ids, sampling, bitmask)
 
 
 def drafter_start(graphdef, params, dparams, state, drafter):
   return dataclasses.replace(state, drafter=drafter.start(dparams, state.drafter, draft_context(state)))
 
 
-def decode_step(graphdef, params, state, eos_ids, sampling):
+def decode_step(graphdef, params, state, eos_ids, sampling, bitmask=None):
   """Feeds each active row's last token, samples the next one."""
   model = nnx.merge(graphdef, params)
   hidden, cache, _ = append(model, state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
-  state = emit(model, hidden[:, 0], dataclasses.replace(state, cache=cache), eos_ids, sampling)
+  state = emit(model, hidden[:, 0], dataclasses.replace(state, cache=cache), eos_ids, sampling, bitmask=bitmask)
   return state, (state.last_tokens, state.active)
+
+
+def constrained_decode_step(graphdef, params, state, eos_ids, bitmask, *, sampling):
+  """`decode_step` under each row's grammar mask, bitmask [B, W]."""
+  return decode_step(graphdef, params, state, eos_ids, sampling, bitmask)
 
 
 # ---------------------------------------------------------------- speculative step
@@ -144,24 +156,42 @@ def draft_context(state) -> DraftContext:
 
 
 def propose_phase(graphdef, params, dparams, state, *, drafter, k: int, sampling):
-  """Drafts K tokens per row; returns (state, proposal) with the drafter's cache writes in state."""
+  """Drafts K tokens per row; returns (state, proposal) with the drafter's cache writes in state.
+
+  The proposal keeps only what the verify needs (drafts, lengths, q, tree): its cache and drafter state are the
+  returned state's, so a split step passes them once, donated, not twice (a copy of every page).
+  """
   target = nnx.merge(graphdef, params)
   prop = drafter.propose(target, dparams, state.drafter, state.cache, draft_context(state), k, sampling)
-  return dataclasses.replace(state, cache=prop.cache, drafter=prop.state), prop
+  return dataclasses.replace(state, cache=prop.cache, drafter=prop.state), dataclasses.replace(prop, cache=(), state=())
 
 
-def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k: int, sampling, logprobs=False):
+def verify_phase(
+    graphdef, params, dparams, state, prop, eos_ids, *, drafter, k: int, sampling, logprobs=False, grammar=None
+):
   """Verifies a proposal in one target pass over K + 1 positions and commits what each row accepted.
 
-  `logprobs=True` appends the target's log-probability of each emitted token, [B, K + 1].
+  `logprobs=True` appends the target's log-probability of each emitted token, [B, K + 1]. `grammar`
+  (`GrammarInputs`, chains only): the host's drafts, cuts and masks; p and q become p' and q'.
   """
   target = nnx.merge(graphdef, params)
   old_len = state.cache.lengths
+  fresh = None
+  if grammar is not None:
+    q = prop.q
+    if q is not None:  # forced drafts were drawn with probability 1; a kept draft's law is q given it is allowed
+      q = jnp.where(grammar.forced[:, None, None], jax.nn.one_hot(grammar.drafts, q.shape[-1], dtype=q.dtype), q)
+      q = mask_law(q, grammar.bitmask[:, :k])
+    prop = dataclasses.replace(prop, drafts=grammar.drafts, draft_lens=grammar.draft_lens, q=q)
+    fresh = grammar.fresh
   if prop.parents is None:
     block = jnp.concatenate([state.last_tokens[:, None], prop.drafts], axis=1)  # [B, K + 1]
     hidden, cache, taps = append(target, block, state.cache, jnp.where(state.active, k + 1, 0), taps=drafter.taps)
     logits = target.logits(hidden).astype(jnp.float32)  # [B, K + 1, V]
-    n_accepted, out = verify(logits, prop.drafts, prop.draft_lens, prop.q, sampling, state.seq_ids, old_len + 1)
+    logits = logits if grammar is None else mask_logits(logits, grammar.bitmask)
+    n_accepted, out = verify(
+        logits, prop.drafts, prop.draft_lens, prop.q, sampling, state.seq_ids, old_len + 1, fresh_last=fresh
+    )
     lp = token_logprobs(logits, out) if logprobs else None
   else:
     n_accepted, out, path, hidden, cache, taps, lp = verify_tree_block(target, state, prop, drafter, k, sampling)
@@ -198,6 +228,13 @@ def verify_phase(graphdef, params, dparams, state, prop, eos_ids, *, drafter, k:
   accepted = jnp.where(emitted > 0, n_accepted, 0)
   outputs = (out, emitted, accepted, prop.draft_lens, active, prop.drafts)
   return state, outputs + (lp,) if logprobs else outputs
+
+
+def constrained_verify_phase(graphdef, params, dparams, state, prop, eos_ids, grammar, *, drafter, k: int, sampling):
+  """`verify_phase` of a chain under the rows' grammars (`GrammarInputs` from `RowGrammars.step`)."""
+  return verify_phase(
+      graphdef, params, dparams, state, prop, eos_ids, drafter=drafter, k=k, sampling=sampling, grammar=grammar
+  )
 
 
 def verify_tree_block(target, state: DecodeState, prop, drafter, k: int, sampling):

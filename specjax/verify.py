@@ -60,11 +60,15 @@ def verify(
     sampling: SamplingParams,
     seq_ids: jax.Array,  # [B]
     positions: jax.Array,  # [B] absolute position predicted by logits[:, 0]
+    fresh_last: jax.Array | None = None,  # [B] bool: a plain draw after the drafts takes its own stream
 ) -> tuple[jax.Array, jax.Array]:
   """Returns (n_accepted [B], tokens [B, K + 1]).
 
   The emitted tokens of row b are `tokens[b, :n_accepted[b] + 1]`: the accepted
-  drafts, then the correction (or bonus) token.
+  drafts, then the correction (or bonus) token. `fresh_last` marks rows whose
+  drafts were cut at a position by the drafter's own draw there (a grammar
+  cut): the plain draw from p at `draft_lens` then uses the residual stream,
+  independent of that draw (rejection sampling only).
   """
   b, k = drafts.shape
   steps = jnp.arange(k + 1)
@@ -96,7 +100,8 @@ def verify(
   weights = jnp.where(use_residual[:, None], residual, p_at)
   at = positions + n_accepted
   key_data = lambda stream: jax.random.key_data(sampling_lib.row_keys(sampling.seed, seq_ids, at, stream))
-  keys = jnp.where(use_residual[:, None], key_data(STREAM_RESIDUAL), key_data(STREAM_SAMPLE))  # [B, 2]
+  own_stream = use_residual if fresh_last is None else use_residual | (fresh_last & ~rejected)
+  keys = jnp.where(own_stream[:, None], key_data(STREAM_RESIDUAL), key_data(STREAM_SAMPLE))  # [B, 2]
   last = sampling_lib.gumbel_argmax(jnp.log(weights), keys)  # [B]
   tokens = jnp.where(steps[None, :] < n_accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), last[:, None])
   return n_accepted, tokens.astype(jnp.int32)

@@ -198,7 +198,7 @@ def mutant_verifier(name: str):
 def forget_steps(engine) -> None:
   """Drops the engine's compiled speculative steps (the verifier is traced into them), keeps prefill and decode."""
   cache = engine.executables._cache
-  for key in [key for key in cache if key[0] in ('spec', 'verify')]:
+  for key in [key for key in cache if key[0] in ('spec', 'verify', 'verify_grammar')]:
     del cache[key]
 
 
@@ -251,14 +251,17 @@ def next_token_probs(target, prompt: list[int], paths: list[tuple[int, ...]], sa
   return p / p.sum(-1, keepdims=True)
 
 
-def emitted_law_pvalue(target, prompt: list[int], sampling, rows, stop_ids=(), min_count: float = 5) -> float:
+def emitted_law_pvalue(
+    target, prompt: list[int], sampling, rows, stop_ids=(), min_count: float = 5, allowed=None
+) -> float:
   """chi^2 p-value of `rows` (each request's first emitted tokens, one prompt) against the target's exact law.
 
   The law of the first D tokens (D = the longest row; a row is shorter only when it stopped at one of
   `stop_ids`) is p(x1) p(x2 | x1) .. under `sampling`. Cells: every token path whose expected count is at least
   `min_count`, refined into its next token while shorter than D (the next tokens below `min_count` pooled into
   one cell per path); every cell still below `min_count` goes into one tail. A row with a token its path gives
-  probability 0 fails outright (p = 0).
+  probability 0 fails outright (p = 0). `allowed(paths)` -> [F, V] bool: a constraint's masks after each path;
+  the law is then the constrained target's, normalize(p * mask).
   """
   import numpy as np
   from scipy import stats
@@ -269,7 +272,11 @@ def emitted_law_pvalue(target, prompt: list[int], sampling, rows, stop_ids=(), m
   frontier, count = [()], {(): float(n)}
   for _ in range(depth):
     grown = []
-    for path, p in zip(frontier, next_token_probs(target, prompt, frontier, sampling) if frontier else []):
+    laws = next_token_probs(target, prompt, frontier, sampling) if frontier else []
+    if allowed is not None and frontier:
+      laws = laws * allowed(frontier)
+      laws = laws / laws.sum(-1, keepdims=True)
+    for path, p in zip(frontier, laws):
       children[path] = count[path] * p
       for x in np.flatnonzero(children[path] >= min_count):
         count[path + (int(x),)] = children[path][x]
@@ -305,10 +312,14 @@ def emitted_law_pvalue(target, prompt: list[int], sampling, rows, stop_ids=(), m
   return stats.chisquare(f_obs[keep], f_exp[keep] * n / f_exp[keep].sum()).pvalue
 
 
-def assert_target_law(engine, target, prompt, sampling, *, n: int, k: int, depth: int = 3, mutants=()):
+def assert_target_law(
+    engine, target, prompt, sampling, *, n: int, k: int, depth: int = 3, mutants=(), allowed=None, patches=None
+):
   """`n` requests of `prompt` (`depth` tokens each, draft depth `k`) on `engine` (over `target`): their tokens pass
   `emitted_law_pvalue` (p > 1e-3), and with each verifier mutant of `mutants` fail it (p < 1e-6).
 
+  `allowed`: the constraint's masks (`emitted_law_pvalue`); `patches`: {name: context manager factory} of more
+  mutants, each one must fail too.
   Returns (the real run's results, {'real' or mutant: p-value}).
   """
   stop_ids = target.generation.eos_token_ids or target.tokenizer.eos_ids  # where the engine stops a row
@@ -316,14 +327,19 @@ def assert_target_law(engine, target, prompt, sampling, *, n: int, k: int, depth
 
   def run(name):
     results, _ = engine.generate([prompt] * n, max_new_tokens=depth, sampling=sampling, num_draft=k)
-    pvalues[name] = emitted_law_pvalue(target, prompt, sampling, [r.tokens for r in results], stop_ids)
+    pvalues[name] = emitted_law_pvalue(target, prompt, sampling, [r.tokens for r in results], stop_ids, allowed=allowed)
     return results
 
   results = run('real')
   for name in mutants:
     with mutated_verifier(name, engine):
       run(name)
+  for name, patch in (patches or {}).items():
+    with patch():
+      forget_steps(engine)
+      run(name)
+    forget_steps(engine)
   print('law p-values:', pvalues)
   assert pvalues['real'] > 1e-3, pvalues
-  assert all(pvalues[name] < 1e-6 for name in mutants), pvalues
+  assert all(pvalues[name] < 1e-6 for name in [*mutants, *(patches or {})]), pvalues
   return results, pvalues

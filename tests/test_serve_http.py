@@ -146,6 +146,50 @@ def test_seeded_sampling_equals_offline_per_choice(served):
   assert r.usage.prompt_tokens == want[0].prompt_tokens  # the prompt counts once for its n choices
 
 
+def test_response_format_constrains_and_equals_offline(served):
+  """json_schema, json_object and unconstrained requests in flight together (the n-gram drafter speculating on
+  all): each greedy output equals `Engine.generate`'s constrained (or plain) autoregressive output; a bad schema is
+  a 400 naming response_format, before anything is scheduled."""
+  from specjax.sampling import SamplingParams
+
+  schema = {'type': 'object', 'properties': {'name': {'type': 'string'}, 'n': {'type': 'integer'}}}
+  cases = {
+      'json_schema': (
+          {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': schema}},
+          SamplingParams(json_schema=schema),
+      ),
+      'json_object': ({'type': 'json_object'}, SamplingParams(json_object=True)),
+      'text': ({'type': 'text'}, SamplingParams()),
+  }
+  prompts = {'json_schema': PROMPT, 'json_object': 'def add(a, b):', 'text': PROMPT}
+  got = {}
+
+  def ask(name):
+    response_format, _ = cases[name]
+    r = served.client.completions.create(
+        model=NAME, prompt=prompts[name], max_tokens=N, temperature=0, extra_body={'response_format': response_format}
+    )
+    got[name] = r.choices[0].text
+
+  threads = [threading.Thread(target=ask, args=(name,)) for name in cases]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  for name, (_, sampling) in cases.items():
+    assert got[name] == served.offline(prompts[name], sampling).text, name
+  assert got['json_object'].lstrip().startswith('{')
+  before = served.counts()
+  bad = {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {'type': 'foo'}}}
+  response = httpx.post(
+      f'{served.open_url}/v1/completions',
+      json={'prompt': PROMPT, 'max_tokens': 4, 'response_format': bad},
+  )
+  err = error_of(response, 400)
+  assert err['param'] == 'response_format' and 'foo' in err['message']
+  assert served.counts() == before
+
+
 def test_streaming_completion(served):
   want = served.offline(PROMPT)
   stream = served.client.completions.create(

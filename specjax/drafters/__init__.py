@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from specjax.drafters import dflash, draft_model, eagle3, gemma4_assistant, layer_skip, mtp, ngram, ngram_first
+from specjax.drafters import dflash, draft_model, eagle3, gemma4_assistant, grammar_first, layer_skip, mtp, ngram, ngram_first
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
 from specjax.drafters.dflash import DFlashDrafter
 from specjax.drafters.draft_model import DraftModelDrafter, check_compatible
 from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.gemma4_assistant import Gemma4AssistantDrafter
+from specjax.drafters.grammar_first import GrammarFirstDrafter
 from specjax.drafters.layer_skip import LayerSkipDrafter
 from specjax.drafters.mtp import MTPDrafter, check_mtp_target
 from specjax.drafters.ngram import NgramDrafter
@@ -23,8 +24,13 @@ register(eagle3.FAMILY)
 register(dflash.FAMILY)
 register(gemma4_assistant.FAMILY)
 # n-gram lookup first, each of the others where it finds nothing: ngram+eagle3, ngram+dflash, ...
-for _family in [f for f in REGISTRY.values() if f.name != 'ngram']:
+_BASE = list(REGISTRY.values())
+for _family in [f for f in _BASE if f.name != 'ngram']:
   register(ngram_first.ngram_first_family(_family))
+# Grammar-forced tokens on constrained requests: grammar (alone), grammar+ngram, grammar+eagle3, ...
+register(grammar_first.FAMILY)
+for _family in _BASE:
+  register(grammar_first.grammar_first_family(_family))
 
 __all__ = [
     'BatchPlan',
@@ -35,6 +41,7 @@ __all__ = [
     'DraftModelDrafter',
     'Eagle3Drafter',
     'Gemma4AssistantDrafter',
+    'GrammarFirstDrafter',
     'LayerSkipDrafter',
     'MTPDrafter',
     'NgramDrafter',

@@ -95,6 +95,8 @@ class Drafter:
   # Tokens past a position its cache entry there depends on (1: heads that pair a position's feature with the
   # next token); a prefix-cache page's key covers them.
   prefix_key_lag: int = 0
+  forced_first: bool = False  # `grammar+<family>`: constrained rows verify their grammar's forced tokens first
+  forced_only: bool = False  # `grammar` alone: no drafts of its own
 
   def verify_width(self, k: int) -> int:
     """Positions one verify pass writes at depth K (the last token and the drafts)."""

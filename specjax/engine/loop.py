@@ -10,6 +10,7 @@ mismatch would be an error, not a compile).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -23,6 +24,7 @@ from specjax.engine.executables import Executables
 from specjax.engine.planner import BatchLayout, plan_batch
 from specjax.engine.requests import Request, RequestHandle
 from specjax.errors import SpecjaxError
+from specjax.grammar import RowGrammars, compile_constraint
 from specjax.metrics import SpecMetrics
 from specjax.models.base import Model
 from specjax.policies import Fixed, Policy
@@ -30,6 +32,9 @@ from specjax.sampling import SamplingParams
 from specjax.depths import step_depth, verify_widths
 from specjax.step import (
     DecodeState,
+    constrained_decode_step,
+    constrained_start,
+    constrained_verify_phase,
     decode_step,
     drafter_prefill,
     drafter_start,
@@ -60,6 +65,7 @@ class GenerationStats:
   generated_tokens: int = 0
   rows: int = 0
   steps: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)  # (K, seconds, live rows)
+  grammar_s: float = 0.0  # host time in the grammar matchers (constrained requests), part of prefill + decode
   policy_state: Any = None  # the depth policy's state after the last step
 
   @property
@@ -178,11 +184,13 @@ class Engine:
       request_ids: Sequence[int] | None = None,
       *,
       drafting: bool = True,
+      grammars: RowGrammars | None = None,
   ) -> DecodeState:
     """Reserves pages, runs the prompts through the model (and drafter), samples the first token.
 
     `drafting=False` (plain decoding on an engine with a drafter) leaves the
     drafter's state at its initial value instead of running the drafter.
+    `grammars`: the first token is drawn under each row's grammar mask.
     """
     layout = self.plan(prompts, max_new_tokens)
     batch, n, lens, chunk = layout.batch, layout.rows, layout.prompt_lens, layout.prefill_chunk
@@ -233,7 +241,13 @@ class Engine:
         tokens=jnp.asarray(buffer),
         drafter=dstate,
     )
-    state = self._call('start', start, (state, last_hidden, eos_ids), {'sampling': sampling})
+    if grammars is None:
+      state = self._call('start', start, (state, last_hidden, eos_ids), {'sampling': sampling})
+    else:
+      bitmask = grammars.bitmask(np.arange(batch) < n)
+      state = self._call(
+          'start_grammar', constrained_start, (state, last_hidden, eos_ids, bitmask), {'sampling': sampling}
+      )
     if drafting:
       state = self._call('drafter_start', drafter_start, (dparams, state), {'drafter': self.drafter}, donate=(2,))
     return state
@@ -265,6 +279,48 @@ class Engine:
       return out
 
     return profiled
+
+  def constrained_step_fn(self, k: int | None, sampling: SamplingParams, state, eos_ids, grammars: RowGrammars):
+    """`step_fn` under each row's grammar: the host's matchers mask every position, cut and force drafts
+    (`specjax.grammar.rows`) between the draft and the verify executables; returns host outputs."""
+    batch = state.last_tokens.shape[0]
+    if k is None:
+      bitmask = np.zeros((batch, grammars.words), np.int32)
+      exe = self.executables.get(
+          'decode_grammar', constrained_decode_step, (state, eos_ids, bitmask), {'sampling': sampling}
+      )
+
+      def decode(state):
+        state, out = exe(self.model.params, state, eos_ids, grammars.bitmask(grammars.active))
+        tokens, active = jax.device_get(out)
+        grammars.commit(tokens[:, None], grammars.active.astype(np.int32))
+        grammars.active = active
+        return state, (tokens, active)
+
+      return decode
+    dparams = self.drafter.params()
+    static = {'drafter': self.drafter, 'k': k, 'sampling': sampling}
+    propose = self.executables.get('propose', propose_phase, (dparams, state), static, (2,))
+    shapes = jax.eval_shape(
+        lambda s: propose_phase(self.model.graphdef, self.model.params, dparams, s, **static), state
+    )
+    inputs = grammars.step(np.zeros((batch, k), np.int32), np.zeros(batch, np.int32), np.zeros(batch, bool))
+    verify_exe = self.executables.get(
+        'verify_grammar', constrained_verify_phase, (dparams, *shapes, eos_ids, inputs), static, (2,)
+    )
+
+    def speculate(state):
+      state, prop = propose(self.model.params, dparams, state)
+      drafts, draft_lens = jax.device_get((prop.drafts, prop.draft_lens))
+      inputs = grammars.step(drafts, draft_lens, grammars.active, forced_first=self.drafter.forced_first)
+      state, out = verify_exe(self.model.params, dparams, state, prop, eos_ids, inputs)
+      out = jax.device_get(out)
+      tokens, emitted, accepted, _, active, _ = out
+      grammars.commit(tokens, emitted, accepted)
+      grammars.active = active
+      return state, out
+
+    return speculate
 
   def serve(self, **options) -> 'Scheduler':
     """Starts this engine's continuous-batching scheduler (`specjax.engine.scheduler.Scheduler` options:
@@ -343,6 +399,14 @@ class Engine:
     ids = self.encode(prompts)
     if request_ids is not None and len(request_ids) != len(ids):
       raise SpecjaxError(f'{len(request_ids)} request ids for {len(ids)} prompts')
+    grammar = None
+    if sampling.constraint is not None:
+      if policy and self.drafter.tree_tokens:
+        raise SpecjaxError(
+            f'constrained decoding verifies chains: {self.drafter.name} drafts trees (drop the tree options)'
+        )
+      grammar = compile_constraint(self.model, sampling.constraint)  # a bad schema, regex or grammar: an error now
+      sampling = sampling.unconstrained()
     eos = self.model.generation.eos_token_ids or self.model.tokenizer.eos_ids
     eos_ids = jnp.asarray(list(eos) or [-1], jnp.int32)
     n = len(ids)
@@ -361,16 +425,30 @@ class Engine:
           stream(row, delta)
 
     t0 = time.perf_counter()
-    state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids, drafting=bool(policy))
-    ahead = bool(policy) and self.drafter.drafts_ahead
+    grammars = (
+        None
+        if grammar is None
+        else RowGrammars.compile(self.model, [grammar] * n, self.plan(ids, max_new_tokens).batch)
+    )
+    state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids, drafting=bool(policy), grammars=grammars)
+    # Grammar-forced drafts are known on the host before a step: `grammar` alone (and `grammar+<drafts-ahead
+    # family>`) verifies only as wide as the longest forced run (or the family's draft) needs.
+    forced_ahead = bool(policy) and grammars is not None and self.drafter.forced_first
+    forced_ahead = forced_ahead and (self.drafter.drafts_ahead or self.drafter.forced_only)
+    ahead = bool(policy) and (self.drafter.drafts_ahead or forced_ahead)
+    device_pending = lambda state: self.drafter.pending_lens(state.drafter) if self.drafter.drafts_ahead else None
     tree = bool(policy) and bool(self.drafter.tree_tokens)
     exec_depths = sorted({w - 1 for d in depths for w in verify_widths(d)}) if ahead else depths
-    steps = {
-        d: self.step_fn(d if policy else None, sampling, state, eos_ids) for d in exec_depths
-    }  # compiled before the decode clock
+    step_fn = self.step_fn if grammars is None else functools.partial(self.constrained_step_fn, grammars=grammars)
+    steps = {d: step_fn(d if policy else None, sampling, state, eos_ids) for d in exec_depths}  # compiled ahead
     pstate = policy.begin(policy.init() if policy_state is None else policy_state, n) if policy else None
-    pending = self.drafter.pending_lens(state.drafter) if ahead else None
+    pending = device_pending(state) if ahead else None
     tokens, active, pending = jax.device_get((state.last_tokens, state.active, pending))
+    if grammars is not None:
+      grammars.commit(tokens[:, None], (np.arange(len(tokens)) < n).astype(np.int32))
+      grammars.active = np.array(active)
+      pending = np.maximum(pending, grammars.forced_lens(k)) if forced_ahead and pending is not None else pending
+      pending = grammars.forced_lens(k) if forced_ahead and pending is None else pending
     stats.prefill_s = time.perf_counter() - t0
     for i in range(n):
       emit(i, tokens[i : i + 1])
@@ -383,8 +461,11 @@ class Engine:
       k_exec = step_depth(k_step, int(pending[rows].max())) if ahead else k_step
       t_step = time.perf_counter()
       state, out = steps[k_exec](state)
-      pending = self.drafter.pending_lens(state.drafter) if ahead else None
+      pending = device_pending(state) if ahead else None
       out, pending = jax.device_get((out, pending))  # the one host transfer of the step
+      if forced_ahead:
+        forced = grammars.forced_lens(k)
+        pending = forced if pending is None else np.maximum(pending, forced)
       step_s = time.perf_counter() - t_step
       stats.decode_steps += 1
       stats.steps.append((k_step, step_s, live))
@@ -419,6 +500,7 @@ class Engine:
         )
       active = now_active
     stats.decode_s = time.perf_counter() - t0
+    stats.grammar_s = grammars.host_s if grammars is not None else 0.0
     stats.policy_state = pstate
     stats.compile_s = self.compile_s - compile_before
     stats.prefill_s -= stats.compile_s  # every executable is compiled ahead, before the decode clock
@@ -433,6 +515,9 @@ class Engine:
       text = self.model.tokenizer.decode(generated[i])
       if spec:
         spec[i].total_s = stats.decode_s
+        if grammars is not None:
+          spec[i].forced_drafted = grammars.forced[i].drafted
+          spec[i].forced_accepted = grammars.forced[i].accepted
       results.append(
           GenerationResult(
               text,

@@ -50,6 +50,7 @@ from specjax.engine import slots
 from specjax.engine.planner import PREFILL_BUCKETS, next_pow2
 from specjax.engine.requests import Event, Request, RequestHandle
 from specjax.errors import OutOfPagesError, SpecjaxError
+from specjax.grammar import RowGrammars, compile_constraint, new_matcher
 from specjax.policies import Fixed, Policy
 from specjax.sampling import RowSampling, SamplingParams
 from specjax.step import DecodeState
@@ -74,6 +75,7 @@ class _Job:
   active: bool = False
   length: int = 0  # target cache length once active
   first_pending: bool = False  # prefilled this round; its first token comes with the round's transfer
+  matcher: Any = None  # a constrained request's llguidance matcher (`specjax.grammar`): advanced by what it emits
 
   @property
   def request(self) -> Request:
@@ -331,6 +333,10 @@ class Scheduler:
         raise SpecjaxError(f'num_draft must be in 0..{self.max_depth}, got {request.num_draft}')
     if any(not isinstance(s, str) or not s for s in request.stop):
       raise SpecjaxError('stop strings must be non-empty strings')
+    if request.sampling.constraint is not None:
+      if self.drafter and self.drafter.tree_tokens:
+        raise SpecjaxError(f'constrained requests verify chains: this server drafts trees ({self.drafter.name})')
+      compile_constraint(self.model, request.sampling.constraint)  # a bad schema, regex or grammar: an error now
     need = len(request.prompt) + request.max_tokens + self.lookahead
     if need > self.capacity:
       raise SpecjaxError(
@@ -346,7 +352,9 @@ class Scheduler:
     if self.error is not None:
       raise SpecjaxError(f'the scheduler stopped: {self.error}')
     handle = RequestHandle(request, loop)
-    self._inbox.put(_Job(handle, 0, decoder=self.model.tokenizer.stream()))
+    constraint = request.sampling.constraint
+    matcher = new_matcher(self.model, compile_constraint(self.model, constraint)) if constraint else None
+    self._inbox.put(_Job(handle, 0, decoder=self.model.tokenizer.stream(), matcher=matcher))
     self._wake.set()
     return handle
 
@@ -602,7 +610,10 @@ class Scheduler:
           np.array([q], np.int32),
           np.array([finish]),
       )
-      self.state, out = self._call('prefill', slots.prefill_rows, args, static, donate=(2,))
+      if job.matcher is not None:  # the first token under the grammar's mask
+        args += (RowGrammars(self.model, [job.matcher]).bitmask(np.array([finish])),)
+      name = 'prefill' if job.matcher is None else 'prefill_grammar'
+      self.state, out = self._call(name, slots.prefill_rows, args, static, donate=(2,))
       outs.append(out)
       if finish and self.prefix:  # its prompt's pages serve the requests that join while it runs
         with self._lock:
@@ -617,12 +628,15 @@ class Scheduler:
       job.first_pending = False
       if job.handle.stats.first_token is None:
         job.handle.stats.first_token = time.perf_counter()
+      if job.matcher is not None:
+        RowGrammars(self.model, [job.matcher]).commit(tokens[:1, None], np.ones(1, np.int32))
       self._emit(job, [int(tokens[0])], [float(logprobs[0])], bool(active[0]))
 
   # steps
 
   def _step(self):
-    live = [j for j in self.slots if j and j.active]
+    # A constrained request steps from the round after its first token: its matcher must have consumed it.
+    live = [j for j in self.slots if j and j.active and not (j.matcher is not None and j.first_pending)]
     if not live:
       return None
     slots_ = [j.slot for j in live]
@@ -646,19 +660,41 @@ class Scheduler:
     depths = np.pad(depths, (0, r - len(live)))
     greedy = all(j.request.sampling.is_greedy for j in live)
     self._step_live, self._step_k, self._step_depths = live, (k_step, k_exec, deepest), depths
+    grammars = None
+    if any(j.matcher is not None for j in live):
+      grammars = RowGrammars(self.model, [j.matcher for j in live], r)
+      grammars.active = np.arange(r) < len(live)
+    self._step_grammars = grammars
     if not deepest:
-      self.state, out = self._call('decode', slots.decode_rows, (self.state, rows), {'greedy': greedy})
+      if grammars is None:
+        self.state, out = self._call('decode', slots.decode_rows, (self.state, rows), {'greedy': greedy})
+      else:
+        args = (self.state, rows, grammars.bitmask(grammars.active))
+        self.state, out = self._call('decode_grammar', slots.decode_rows, args, {'greedy': greedy})
       return out
     static = {'drafter': self.drafter, 'k': k_exec, 'greedy': greedy}
-    self.state, out = self._call(
-        'spec', slots.spec_rows, (self.drafter.params(), self.state, rows, depths), static, donate=(2,)
-    )
+    dparams = self.drafter.params()
+    if grammars is None:
+      self.state, out = self._call('spec', slots.spec_rows, (dparams, self.state, rows, depths), static, donate=(2,))
+      return out
+    # Constrained rows: draft, cut and mask on the host (`specjax.grammar.rows`), then verify.
+    self.state, prop = self._call('propose', slots.propose_rows, (dparams, self.state, rows, depths), static, (2,))
+    drafts, draft_lens = jax.device_get((prop.drafts, prop.draft_lens))
+    inputs = grammars.step(drafts, draft_lens, grammars.active, forced_first=self.drafter.forced_first)
+    args = (dparams, self.state, rows, prop, inputs)
+    self.state, out = self._call('verify_grammar', slots.verify_rows, args, static, donate=(2,))
     return out
 
   def _after_step(self, outs, dt: float, before: np.ndarray) -> None:
     """Streams a step's tokens; outputs are indexed by the job's place in the step's rows."""
     live, (k_step, k_exec, deepest) = self._step_live, self._step_k
     self.counters['steps'] += 1
+    grammars = self._step_grammars
+    if grammars is not None:  # each constrained row's matcher takes what the row emitted
+      if deepest:
+        grammars.commit(np.asarray(outs[0]), np.asarray(outs[1]), np.asarray(outs[2]))
+      else:
+        grammars.commit(np.asarray(outs[0])[:, None], grammars.active.astype(np.int32))
     if not deepest:
       tokens, active, logprobs = outs
       for i, job in enumerate(live):

@@ -121,13 +121,15 @@ def prefill_rows(
     tokens,
     query_lens,
     finish,
+    bitmask=None,
     *,
     drafter,
     greedy: bool,
     hidden_size: int,
 ):
   """One prompt chunk for slots `rows` [R]: tokens [R, T], query_lens [R] (0: padding). Rows whose prompt ends
-  here (`finish` [R]) sample their first token and become active.
+  here (`finish` [R]) sample their first token (under `bitmask` [R, W], a constrained request's grammar mask)
+  and become active.
 
   Returns (state, (first tokens [R], active [R], log-probabilities [R])).
   """
@@ -141,7 +143,9 @@ def prefill_rows(
     dstate = drafter.prefill(model, dparams, dstate, tokens, query_lens, hidden, tapped)
   sub = dataclasses.replace(sub, cache=cache, drafter=dstate)
   sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
-  started, logprobs = emit(model, last_hidden, dataclasses.replace(sub, active=finish), sub.row_eos, sampling, True)
+  started, logprobs = emit(
+      model, last_hidden, dataclasses.replace(sub, active=finish), sub.row_eos, sampling, True, bitmask
+  )
   if drafter:
     started = dataclasses.replace(started, drafter=drafter.start(dparams, started.drafter, draft_context(started)))
   sub = keep_rows(started, sub, ~finish)
@@ -154,8 +158,9 @@ def live_rows(state: DecodeState, rows: jax.Array) -> DecodeState:
   return dataclasses.replace(sub, active=sub.active & (rows < state.active.shape[0]))
 
 
-def decode_rows(graphdef, params, state: DecodeState, rows, *, greedy: bool):
-  """One token for each active slot of `rows` [R] (the live slots, padded to a bucket).
+def decode_rows(graphdef, params, state: DecodeState, rows, bitmask=None, *, greedy: bool):
+  """One token for each active slot of `rows` [R] (the live slots, padded to a bucket), under `bitmask` [R, W]
+  (grammar masks, all ones for unconstrained rows) when given.
 
   Returns (state, (tokens [R], active [R], log-probabilities [R])).
   """
@@ -163,7 +168,7 @@ def decode_rows(graphdef, params, state: DecodeState, rows, *, greedy: bool):
   sub = live_rows(state, rows)
   hidden, cache, _ = append(model, sub.last_tokens[:, None], sub.cache, sub.active.astype(jnp.int32))
   sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
-  new, logprobs = emit(model, hidden[:, 0], dataclasses.replace(sub, cache=cache), sub.row_eos, sampling, True)
+  new, logprobs = emit(model, hidden[:, 0], dataclasses.replace(sub, cache=cache), sub.row_eos, sampling, True, bitmask)
   new = keep_rows(new, sub, ~sub.active)
   return put_rows(state, new, rows), (new.last_tokens, new.active, logprobs)
 
@@ -182,6 +187,38 @@ def spec_rows(graphdef, params, dparams, state: DecodeState, rows, depths, *, dr
   lens = jnp.where(depths > 0, prop.draft_lens, 0) if drafter.tree_tokens else jnp.minimum(prop.draft_lens, depths)
   prop = dataclasses.replace(prop, draft_lens=lens.astype(prop.draft_lens.dtype))
   new, out = verify_phase(graphdef, params, dparams, new, prop, sub.row_eos, logprobs=True, **static)
+  return put_rows(state, keep_rows(new, sub, ~sub.active), rows), out
+
+
+def propose_rows(
+    graphdef, params, dparams, state: DecodeState, rows, depths, *, drafter: Drafter, k: int, greedy: bool
+):
+  """The draft half of `spec_rows` (chains), for constrained rounds: the host cuts and masks the drafts between
+  it and `verify_rows`. Returns (state, proposal)."""
+  sub = live_rows(state, rows)
+  sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
+  new, prop = propose_phase(graphdef, params, dparams, sub, drafter=drafter, k=k, sampling=sampling)
+  prop = dataclasses.replace(prop, draft_lens=jnp.minimum(prop.draft_lens, depths).astype(prop.draft_lens.dtype))
+  return put_rows(state, keep_rows(new, sub, ~sub.active), rows), prop
+
+
+def verify_rows(graphdef, params, dparams, state: DecodeState, rows, prop, grammar, *, drafter, k: int, greedy: bool):
+  """The verify half: `prop` checked under the rows' `GrammarInputs`; returns what `spec_rows` does."""
+  sub = live_rows(state, rows)
+  sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
+  new, out = verify_phase(
+      graphdef,
+      params,
+      dparams,
+      sub,
+      prop,
+      sub.row_eos,
+      logprobs=True,
+      drafter=drafter,
+      k=k,
+      sampling=sampling,
+      grammar=grammar,
+  )
   return put_rows(state, keep_rows(new, sub, ~sub.active), rows), out
 
 

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from specjax.engine.requests import Event, Request, RequestHandle
 from specjax.errors import SpecjaxError
+from specjax.grammar import compile_constraint
 from specjax.sampling import MAX_SEED, SamplingParams
 from specjax.serve.metrics import CONTENT_TYPE, ServeMetrics
 from specjax.serve.protocol import (
@@ -208,12 +209,18 @@ class _Server:
     """One `Request` per choice (prompt-major: choice index = prompt * n + j, seq_id j), all checked."""
     top_k = 0 if body.top_k == -1 else body.top_k
     seed = secrets.randbelow(MAX_SEED + 1) if body.seed is None else body.seed
-    sampling = SamplingParams(body.temperature, top_k, body.top_p, body.min_p, seed)
+    constraint = body.response_format.constraint() if body.response_format else {}
+    sampling = SamplingParams(body.temperature, top_k, body.top_p, body.min_p, seed, **constraint)
     try:
       sampling.validate()
     except SpecjaxError as e:
       field = re.match(r'sampling (\w+) ', str(e))
       raise bad_request(str(e), field and field.group(1)) from None
+    if sampling.constraint is not None:
+      try:
+        compile_constraint(self.engine.model, sampling.constraint)
+      except SpecjaxError as e:
+        raise bad_request(str(e), 'response_format') from None
     num_draft = body.speculative.num_draft_for_request() if body.speculative else None
     if num_draft is not None:
       try:

@@ -7,6 +7,7 @@ otherwise (`unsupported`). Unknown fields are ignored.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -53,6 +54,31 @@ class StreamOptions(_Body):
   include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+  name: str | None = None
+  description: str | None = None
+  schema_: dict[str, Any] | bool | None = pydantic.Field(default=None, alias='schema')
+  strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+  """`response_format`: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"schema": ...}}` or
+  `{"type": "text"}` (unconstrained); constrained decoding through `specjax.grammar`."""
+
+  type: Literal['text', 'json_object', 'json_schema']
+  json_schema: JsonSchemaFormat | None = None
+
+  def constraint(self) -> dict[str, Any]:
+    """The `SamplingParams` fields it sets."""
+    if self.type == 'json_object':
+      return {'json_object': True}
+    if self.type == 'json_schema':
+      if self.json_schema is None or self.json_schema.schema_ is None:
+        raise bad_request('response_format json_schema needs json_schema.schema', 'response_format')
+      return {'json_schema': json.dumps(self.json_schema.schema_)}
+    return {}
+
+
 class _Sampling(_Body):
   """What completions and chat completions share."""
 
@@ -68,6 +94,7 @@ class _Sampling(_Body):
   stream_options: StreamOptions | None = None
   ignore_eos: bool = False
   speculative: Speculative | None = None
+  response_format: ResponseFormat | None = None
   user: str | None = None
   # OpenAI fields specjax accepts only at their no-op values.
   presence_penalty: float = 0.0
