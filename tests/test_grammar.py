@@ -344,3 +344,22 @@ def test_cli_constraints(capsys, tmp_path):
   code = cli.main(['generate', '-m', TINY, '--prompt', 'Hi', '--regex', '[a-z'])
   out, err = capsys.readouterr()
   assert code == 2 and out == '' and err.startswith('error: regex: ') and 'unclosed character class' in err
+
+
+def test_scheduler_forced_only_drafter(tiny_model):
+  """`grammar` alone in the scheduler: each step verifies as wide as the rows' forced runs; outputs equal
+  `Engine.generate`'s; forced drafts are counted per request and in the scheduler's metrics."""
+  from specjax.engine.requests import Request  # pylint: disable=g-import-not-at-top
+  from specjax.engine.scheduler import Scheduler  # pylint: disable=g-import-not-at-top
+
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter('grammar', tiny_model), max_draft=4)
+  sampling = specjax.SamplingParams(json_schema=SCHEMA)
+  ids = engine.encode(RAGGED_PROMPTS)
+  with Scheduler(engine, max_slots=4, max_seq_len=96).start() as scheduler:
+    handles = [scheduler.submit(Request(p, 24, sampling=sampling, num_draft=4)) for p in ids]
+    results = [h.result(timeout=300) for h in handles]
+    metrics = scheduler.metrics()
+  want, _ = specjax.Engine(tiny_model, page_size=4).generate(RAGGED_PROMPTS, max_new_tokens=24, sampling=sampling)
+  assert [r.tokens for r in results] == [w.tokens for w in want]
+  assert sum(r.stats.forced_drafted for r in results) == metrics['forced_drafted'] > 0
+  assert metrics['forced_accepted'] == sum(r.stats.forced_accepted for r in results)

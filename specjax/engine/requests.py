@@ -66,6 +66,8 @@ class RequestStats:
   drafted: int = 0  # draft tokens verified for this request
   accepted: int = 0
   spec_steps: int = 0  # verify passes this request took part in with drafts
+  forced_drafted: int = 0  # grammar-forced drafts verified (constrained requests, `grammar+<family>`)
+  forced_accepted: int = 0
   preemptions: int = 0
   submitted: float = 0.0  # perf_counter times
   first_token: float | None = None

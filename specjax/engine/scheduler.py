@@ -176,6 +176,8 @@ class Scheduler:
         spec_steps=0,
         prefix_lookup_tokens=0,  # prompt tokens of admissions, looked up in the prefix cache
         prefix_hit_tokens=0,  # of those, found cached (not prefilled)
+        forced_drafted=0,  # grammar-forced drafts verified (`grammar+<family>` on constrained requests)
+        forced_accepted=0,
     )
     self.accepted_at = [0] * max(self.max_depth, 1)
     self.drafted_at = [0] * max(self.max_depth, 1)
@@ -252,7 +254,7 @@ class Scheduler:
     if not self.drafter:
       return []
     depths = set(self.step_depths)
-    if self.drafter.drafts_ahead:
+    if self.drafter.drafts_ahead or self.drafter.forced_only:
       depths |= {w - 1 for d in self.step_depths for w in verify_widths(d)}
     return sorted(depths)
 
@@ -644,8 +646,12 @@ class Scheduler:
     depths = np.array([k_step if j.request.num_draft is None else j.request.num_draft for j in live], np.int32)
     deepest = int(depths.max())
     k_exec = min((k for k in self.step_depths if k >= deepest), default=deepest) if deepest else 0
-    if deepest and self.drafter.drafts_ahead:
-      k_exec = step_depth(k_exec, int(self.pending[slots_].max()))
+    if deepest and (self.drafter.drafts_ahead or self.drafter.forced_only):
+      pending = self.pending[slots_] if self.drafter.drafts_ahead else np.zeros(len(live), np.int32)
+      if self.drafter.forced_first:  # grammar-forced runs are known on the host: verify as wide as they need
+        forced = [len(j.matcher.compute_ff_tokens()) if j.matcher is not None else 0 for j in live]
+        pending = np.maximum(pending, forced)
+      k_exec = step_depth(k_exec, int(pending.max()))
     for job in live:
       if job.slot >= 0:
         self._grow(job, job.length + (self.drafter.lookahead(k_exec) if k_exec else 1))
@@ -693,6 +699,12 @@ class Scheduler:
     if grammars is not None:  # each constrained row's matcher takes what the row emitted
       if deepest:
         grammars.commit(np.asarray(outs[0]), np.asarray(outs[1]), np.asarray(outs[2]))
+        for job, forced in zip(live, grammars.forced):
+          job.handle.stats.forced_drafted += forced.drafted
+          job.handle.stats.forced_accepted += forced.accepted
+          with self._lock:
+            self.counters['forced_drafted'] += forced.drafted
+            self.counters['forced_accepted'] += forced.accepted
       else:
         grammars.commit(np.asarray(outs[0])[:, None], grammars.active.astype(np.int32))
     if not deepest:

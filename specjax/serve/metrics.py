@@ -101,6 +101,8 @@ class ServeMetrics:
         ('prefix_lookup_tokens', 'specjax_prefix_cache_queries_total', 'Prompt tokens looked up in the prefix cache.'),
         ('prefix_hit_tokens', 'specjax_prefix_cache_hits_total', 'Prompt tokens found in the prefix cache.'),
         ('prefix_evictions', 'specjax_prefix_cache_evictions_total', 'Cached KV pages evicted.'),
+        ('forced_drafted', 'specjax_grammar_forced_drafts_total', 'Grammar-forced draft tokens verified.'),
+        ('forced_accepted', 'specjax_grammar_forced_accepted_total', 'Grammar-forced draft tokens accepted.'),
     )
     for key, name, help in counters:
       metric(name, 'counter', help, [({}, snap.get(key, 0))])
