@@ -649,8 +649,8 @@ class Scheduler:
     if deepest and (self.drafter.drafts_ahead or self.drafter.forced_only):
       pending = self.pending[slots_] if self.drafter.drafts_ahead else np.zeros(len(live), np.int32)
       if self.drafter.forced_first:  # grammar-forced runs are known on the host: verify as wide as they need
-        forced = [len(j.matcher.compute_ff_tokens()) if j.matcher is not None else 0 for j in live]
-        pending = np.maximum(pending, forced)
+        every = np.ones(len(live), bool)
+        pending = np.maximum(pending, RowGrammars(self.model, [j.matcher for j in live]).forced_lens(k_exec, every))
       k_exec = step_depth(k_exec, int(pending.max()))
     for job in live:
       if job.slot >= 0:

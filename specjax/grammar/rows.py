@@ -38,7 +38,7 @@ from specjax.grammar.compile import new_matcher, require_llguidance
 
 try:
   from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
-except ImportError:  # pragma: no cover (`_require` names the missing package)
+except ImportError:  # pragma: no cover (`require_llguidance` names the missing package)
   pass
 
 _EXECUTOR = None
@@ -87,12 +87,13 @@ class RowGrammars:
     self.host_s += time.perf_counter() - start
     return out
 
-  def forced_lens(self, k: int) -> np.ndarray:  # -> [B] int32
-    """How many grammar-forced tokens (at most k) each active constrained row has next."""
+  def forced_lens(self, k: int, active: np.ndarray | None = None) -> np.ndarray:  # -> [B] int32
+    """How many grammar-forced tokens (at most k) each active (default: `self.active`) constrained row has next."""
     start = time.perf_counter()
+    active = self.active if active is None else active
     out = np.zeros(len(self.matchers), np.int32)
     for row, matcher in enumerate(self.matchers):
-      if matcher is not None and self.active[row]:
+      if matcher is not None and active[row]:
         out[row] = min(len(matcher.compute_ff_tokens()), k)
     self.host_s += time.perf_counter() - start
     return out
