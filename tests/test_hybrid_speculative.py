@@ -205,15 +205,15 @@ def test_mtp_bookkeeping_under_random_acceptance():
   commit = jax.jit(drafter.commit)
   head = nnx.merge(*model.heads['mtp'])
 
-  @functools.partial(jax.jit, static_argnums=2)
-  def first_q(tokens, hidden, m):  # [1, m], [1, m, D]: the head over the committed pairs, from scratch
+  @jax.jit
+  def first_q(tokens, hidden, m):  # [1, N-1], [1, N-1, D], [] : the head over the first m committed pairs, from scratch
     fresh = KVCache.create(
         model.kv_shapes[:1],
         num_pages=n // page + 1,
         page_size=page,
         block_tables=np.arange(1, n // page + 1, dtype=np.int32)[None],
     )
-    out, _ = head(target.embed(tokens), hidden, fresh, StepInputs.chain(fresh, jnp.asarray([m], jnp.int32), m))
+    out, _ = head(target.embed(tokens), hidden, fresh, StepInputs.chain(fresh, m[None], n - 1))
     return jax.nn.softmax(target.logits(out[0, m - 1]))
 
   lengths = np.array([9, 6])  # prompt lengths; x[:, L] is each row's last (not yet cached) token
@@ -237,7 +237,7 @@ def test_mtp_bookkeeping_under_random_acceptance():
     prop = propose(drafter.params(), state, ctx)
     for i in range(b):
       m = lengths[i]
-      want = first_q(jnp.asarray(x[i : i + 1, 1 : m + 1]), jnp.asarray(hidden[i : i + 1, :m]), int(m))
+      want = first_q(jnp.asarray(x[i : i + 1, 1:]), jnp.asarray(hidden[i : i + 1, : n - 1]), jnp.int32(m))
       np.testing.assert_allclose(np.asarray(prop.q[i, 0]), np.asarray(want), atol=1e-5)
     emitted = rng.integers(1, k + 2, b)
     verify_hidden = np.stack([hidden[i, lengths[i] : lengths[i] + k + 1] for i in range(b)])

@@ -372,7 +372,7 @@ def test_serve_command(capsys):
   env = {**os.environ, 'SPECJAX_API_KEY': KEY}
   cmd = [sys.executable, '-m', 'specjax.cli', 'serve', '-m', TINY, '--port', str(port), '--max-seq-len', '64']
   proc = subprocess.Popen(
-      cmd + ['--page-size', '4', '--no-prefix-cache'],
+      cmd + ['--page-size', '4', '--no-prefix-cache', '--max-slots', '2'],  # warms up every executable of 2 slots
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       env=env,
