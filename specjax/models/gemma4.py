@@ -45,7 +45,7 @@ from flax import nnx
 from pallas_kernels.paged_attention import paged_attention
 from specjax.cache.paged import KVCache, write_kv
 from specjax.errors import SpecjaxError
-from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInputs
+from specjax.models.contract import CacheLayout, ChainAppend, DraftLayerSpec, PagedKV, StepInputs
 from specjax.models.layers import (
     ACTIVATIONS,
     AttentionSpec,
@@ -425,6 +425,19 @@ class Gemma4(ChainAppend, nnx.Module):
   def kv_donors(self) -> dict[str, int]:
     """Layer type -> index into `cache.k_pages` of the last unshared layer of that type."""
     return self.cfg.donors
+
+  def draft_layer_spec(self) -> DraftLayerSpec:
+    """The last full layer's heads and head dim, a default RoPE at its base, the dense MLP width, sandwich norms."""
+    c = self.cfg
+    i = max((i for i, t in enumerate(c.layer_types) if t == FULL), default=c.num_layers - 1)
+    return DraftLayerSpec(
+        c.hidden_size,
+        c.intermediate_size,
+        c.attention_spec(i),
+        activation=c.hidden_activation,
+        norm_eps=c.rms_norm_eps,
+        sandwich_norms=True,
+    )
 
   def kv_layer(self, i: int) -> int:
     """Index into `cache.k_pages` of the keys and values layer i attends to (a shared layer's: its donor's)."""

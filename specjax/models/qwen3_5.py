@@ -33,7 +33,7 @@ from flax import nnx
 from specjax.cache.paged import KVCache
 from specjax.errors import SpecjaxError
 from specjax.models import gated_deltanet as gdn
-from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInputs
+from specjax.models.contract import CacheLayout, ChainAppend, DraftLayerSpec, PagedKV, StepInputs
 from specjax.models.layers import Attention, AttentionSpec, DecoderBlock, GatedMLP, MoE, RMSNorm, Rope, param
 from specjax.models.mtp import MTPHead
 from specjax.models.transformer import mlp_params
@@ -281,6 +281,13 @@ class Qwen35(ChainAppend, nnx.Module):
     )
     return CacheLayout(
         ((c.num_kv_heads, c.head_dim),) * c.layer_types.count(FULL), ((ssm, conv),) * c.layer_types.count(LINEAR)
+    )
+
+  def draft_layer_spec(self) -> DraftLayerSpec:
+    """The attention layers' shape without the output gate, the dense MLP width, (1 + w) norms."""
+    c = self.cfg
+    return DraftLayerSpec(
+        c.hidden_size, c.intermediate_size, c.attention_spec(), norm_eps=c.rms_norm_eps, norm_offset=1.0
     )
 
   def lookup(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.cache.paged import KVCache
-from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInputs
+from specjax.models.contract import CacheLayout, ChainAppend, DraftLayerSpec, PagedKV, StepInputs
 from specjax.models.layers import AttentionSpec, Attention, DecoderBlock, GatedMLP, RMSNorm, param
 
 
@@ -72,6 +72,20 @@ class DecoderLM(ChainAppend, nnx.Module):
 
   def cache_layout(self) -> CacheLayout:
     return CacheLayout(tuple((a.num_kv_heads, a.head_dim) for a in self.spec.layers))
+
+  def draft_layer_spec(self) -> DraftLayerSpec:
+    """The last full-attention layer (the last layer if every one has a window), its MLP and norms."""
+    s = self.spec
+    full = [a for a in s.layers if a.window is None]
+    return DraftLayerSpec(
+        s.hidden_size,
+        s.intermediate_size,
+        full[-1] if full else s.layers[-1],
+        activation=s.activation,
+        norm_eps=s.norm_eps,
+        norm_offset=s.norm_offset,
+        sandwich_norms=s.sandwich_norms,
+    )
 
   def lookup(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     """Raw rows of the embedding table (no Gemma sqrt(D) scale): what EAGLE-style drafters read."""
