@@ -95,9 +95,9 @@ class DraftLayerSpec:
   """The decoder layer a drafter trained for a target copies (EAGLE-3, DFlash, MTP heads).
 
   The target's last full-attention layer, made plain here: no window, no
-  output gate, RoPE over the whole head and of a kind a Llama config spells (an
-  EAGLE-3 / DFlash export carries it): Gemma 4's proportional RoPE becomes a
-  default one at its base.
+  output gate, its own k and v projections, RoPE over the whole head and of a
+  kind a Llama config spells (an EAGLE-3 / DFlash export carries it): Gemma 4's
+  proportional RoPE becomes a default one at its base.
   """
 
   hidden_size: int
@@ -113,7 +113,8 @@ class DraftLayerSpec:
     rope = dataclasses.replace(a.rope, rotary_dim=0)
     if rope.kind == 'proportional':  # Gemma 4's full layers: no Llama spelling; a default RoPE at its base
       rope = dataclasses.replace(rope, kind='default', rope_angles=0, factor=1.0)
-    object.__setattr__(self, 'attention', dataclasses.replace(a, window=None, output_gate=False, rope=rope))
+    plain = dataclasses.replace(a, window=None, output_gate=False, kv='own', rope=rope)
+    object.__setattr__(self, 'attention', plain)
 
 
 @runtime_checkable
