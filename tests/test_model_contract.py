@@ -74,6 +74,11 @@ def path(parents, i):
 
 def test_modules_implement_the_contract(module):
   assert isinstance(module, CausalLM)
+  layer = module.draft_layer_spec()  # plain: no window, no gate, a RoPE a Llama config spells
+  assert layer.attention.window is None and not layer.attention.output_gate and layer.attention.kv == 'own'
+  assert layer.attention.rope.kind in ('default', 'linear', 'llama3') and not layer.attention.rope.rotary_dim
+  donors = module.kv_donors()
+  assert donors == ({'sliding_attention': 3, 'full_attention': 2} if 'Gemma4' in type(module).__name__ else {})
 
 
 def test_tree_nodes_equal_chains_along_their_paths(module):

@@ -199,14 +199,14 @@ def test_steps_zero_exports_the_initial_drafter(data, tmp_path):
   assert same(jax.device_get(trainer.load(report['export'])), jax.device_get(initial))
 
 
-@pytest.mark.parametrize(
-    'kind, drafter',
-    [
-        ('mtp', {}),
-        ('eagle3', {'draft_vocab_size': 128}),
-        ('dflash', {'layers': 2, 'block_size': 4, 'anchors': 8}),
-    ],
-)
+KINDS = [  # drafter.kind and its drafter.* keys, sized for the tiny targets
+    ('mtp', {}),
+    ('eagle3', {'draft_vocab_size': 128}),
+    ('dflash', {'layers': 2, 'block_size': 4, 'anchors': 8}),
+]
+
+
+@pytest.mark.parametrize('kind, drafter', KINDS)
 def test_init_from_starts_at_the_checkpoint(data, tmp_path, kind, drafter):
   """drafter.init_from: a run starts at an exported drafter (EAGLE-3: with its vocabulary map), checked first."""
   from specjax.train import run_training
@@ -234,6 +234,28 @@ def test_init_from_starts_at_the_checkpoint(data, tmp_path, kind, drafter):
   if kind == 'dflash':
     with pytest.raises(SpecjaxError, match=r'block_size 4 \(config: 8\)'):
       make_trainer(resolve(tuned, ['drafter.block_size=8']), model, None)
+
+
+@pytest.mark.parametrize('kind, drafter', KINDS)
+def test_gemma4_target_trains_and_exports(data, tmp_path, kind, drafter):
+  """A Gemma 4 target (KV sharing, PLE, proportional RoPE) trains each kind, shaped by its `draft_layer_spec()`;
+  the export reads back and builds the drafter."""
+  from specjax.drafters import make_drafter
+  from specjax.train import run_training
+  from specjax.train.config import resolve
+  from specjax.train.trainers import make_trainer
+
+  import specjax
+
+  target = f'{FIXTURES}/tiny_gemma4'
+  cfg = {**config(data, steps=1, save_every=0), 'drafter': {'kind': kind, **drafter}, 'target': {'model': target}}
+  cfg['eval'] = {'every': 0, 'limit': 0}
+  report = run_training(cfg, str(tmp_path / kind), progress=False)
+  assert np.isfinite(report['loss'])
+  model = specjax.load(target)
+  trainer = make_trainer(resolve(cfg, []), model, None)
+  assert same(jax.device_get(trainer.load(report['export'])), jax.device_get(report['params']))
+  make_drafter(kind, model, draft_model=report['export'])
 
 
 def test_data_fraction_nests_and_keeps_the_eval_set(data, tiny_model):

@@ -180,11 +180,6 @@ def _max_depth(options: DFlashOptions) -> int:
   return 16 if size is None else size - 1
 
 
-def _check(target, options: DFlashOptions) -> None:
-  if not hasattr(target.module(), 'embed'):
-    raise SpecjaxError(f'{target.source}: DFlash needs a target with a token embedding')
-
-
 def _build(target, options: DFlashOptions) -> DFlashDrafter:
   from specjax.loading.dflash import DFlashCheckpoint, load_dflash
 
@@ -215,7 +210,6 @@ FAMILY = DrafterFamily(
     name='dflash',
     options=DFlashOptions,
     build=_build,
-    check=_check,
     depths=(3, 5, 7),
     default_depth=AUTO_DEPTH_CAP,
     max_depth=_max_depth,

@@ -71,12 +71,6 @@ class Eagle3Options(TreeOptions):
     super().validate()
 
 
-def _check(target, options: Eagle3Options) -> None:
-  check_tree_target(target, options)
-  if not hasattr(target.module(), 'lookup'):
-    raise SpecjaxError(f'{target.source}: EAGLE-3 needs a target with a token-embedding table')
-
-
 def _build(target, options: Eagle3Options) -> Eagle3Drafter:
   from specjax.loading.eagle3 import Eagle3Checkpoint, load_eagle3
 
@@ -101,7 +95,7 @@ FAMILY = DrafterFamily(
     name='eagle3',
     options=Eagle3Options,
     build=_build,
-    check=_check,
+    check=check_tree_target,
     depths=(2, 3, 4, 5, 6),
     default_depth=5,
     label=lambda o: o.tree_label('eagle3'),

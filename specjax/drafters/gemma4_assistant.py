@@ -107,7 +107,7 @@ class Gemma4AssistantOptions:
 
 
 def _check(target, options: Gemma4AssistantOptions) -> None:
-  if not hasattr(target.module(), 'kv_donors'):
+  if not target.module().kv_donors():
     raise SpecjaxError(
         f"{target.source}: the Gemma 4 assistant drafts over a Gemma 4 target's K/V "
         f'(gemma4 / gemma4_text), not {target.architecture}'

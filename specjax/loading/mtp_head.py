@@ -40,7 +40,7 @@ def save_mtp_head(path: str, target, params, *, extra: dict | None = None) -> No
   from specjax.models.weights import hf_from_params
 
   pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
-  tensors = hf_from_params(lambda t: mtp.params_from_hf(target.config, t), jax.device_get(pure))
+  tensors = hf_from_params(lambda t: mtp.params_from_hf(target, t), jax.device_get(pure))
   config = {
       'architectures': [ARCHITECTURE],
       'model_type': 'specjax_mtp',
@@ -77,7 +77,7 @@ def load_mtp_head(path: str, target, *, attention_impl: str = 'auto') -> tuple[n
       )
   tensors = load_file(os.path.join(path, WEIGHTS))
   abstract = nnx.eval_shape(lambda: mtp.for_target(target, attention_impl=attention_impl))
-  pure = mtp.params_from_hf(target.config, tensors)
+  pure = mtp.params_from_hf(target, tensors)
   if tensors:
     raise SpecjaxError(f'{path}: unexpected weights {sorted(tensors)[:5]}')
   return fill(abstract, pure, target.dtype, path)

@@ -5,6 +5,8 @@
   forward(tokens, inputs, cache | None, taps=())    -> (hidden [B, T, D], cache, taps)
   logits(hidden [..., D], ids=None)                 -> [..., V] (or [..., V'] at vocabulary ids [V'])
   cache_layout()                                    -> CacheLayout
+  draft_layer_spec()                                -> DraftLayerSpec: the layer a drafter built for it copies
+  kv_donors()                                       -> {layer type: index into cache.k_pages} ({}: no donors)
 
 `StepInputs` says where each new token sits: its RoPE / mask position, which
 tokens of the block it sees (`mask`, for trees) and where its key and value go
@@ -18,12 +20,15 @@ tokens only, with the mask: training and reference computations use this.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 
 from specjax.cache.paged import KVCache, token_slots
+
+if TYPE_CHECKING:
+  from specjax.models.layers import AttentionSpec
 
 
 @jax.tree_util.register_dataclass
@@ -85,6 +90,33 @@ class CacheLayout:
   state_shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()  # per recurrent layer (ssm, conv) per row
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftLayerSpec:
+  """The decoder layer a drafter trained for a target copies (EAGLE-3, DFlash, MTP heads).
+
+  The target's last full-attention layer, made plain here: no window, no
+  output gate, its own k and v projections, RoPE over the whole head and of a
+  kind a Llama config spells (an EAGLE-3 / DFlash export carries it): Gemma 4's
+  proportional RoPE becomes a default one at its base.
+  """
+
+  hidden_size: int
+  intermediate_size: int
+  attention: AttentionSpec
+  activation: str = 'silu'
+  norm_eps: float = 1e-6
+  norm_offset: float = 0.0  # 1.0: (1 + w) norms
+  sandwich_norms: bool = False  # Gemma's post-norms on the attention and MLP outputs
+
+  def __post_init__(self):
+    a = self.attention
+    rope = dataclasses.replace(a.rope, rotary_dim=0)
+    if rope.kind == 'proportional':  # Gemma 4's full layers: no Llama spelling; a default RoPE at its base
+      rope = dataclasses.replace(rope, kind='default', rope_angles=0, factor=1.0)
+    plain = dataclasses.replace(a, window=None, output_gate=False, kv='own', rope=rope)
+    object.__setattr__(self, 'attention', plain)
+
+
 @runtime_checkable
 class CausalLM(Protocol):
   """What the engine, drafters and training need of a target model."""
@@ -107,9 +139,20 @@ class CausalLM(Protocol):
   def cache_layout(self) -> CacheLayout:
     ...
 
+  def draft_layer_spec(self) -> DraftLayerSpec:
+    ...
+
+  def kv_donors(self) -> dict[str, int]:
+    """Layer type -> index into `cache.k_pages` of the layer whose keys and values later layers share (Gemma 4)."""
+    ...
+
 
 class ChainAppend:
-  """`model(tokens, cache, query_lens) -> (hidden, cache)`: appends a chain of tokens `[B, T]` to the cache."""
+  """What every family shares: `model(tokens, cache, query_lens) -> (hidden, cache)` appends a chain of tokens
+  `[B, T]` to the cache; no KV donors."""
+
+  def kv_donors(self) -> dict[str, int]:
+    return {}
 
   def __call__(self, tokens: jax.Array, cache: KVCache, query_lens: jax.Array) -> tuple[jax.Array, KVCache]:
     hidden, cache, _ = self.forward(tokens, StepInputs.chain(cache, query_lens, tokens.shape[1]), cache)

@@ -16,22 +16,14 @@ import numpy as np
 
 from specjax.errors import SpecjaxError
 from specjax.models.layers import ACTIVATIONS, AttentionSpec, Rope
-from specjax.models.transformer import DecoderLM, DecoderSpec, decoder_params
+from specjax.models.transformer import DecoderLM, DecoderShape, DecoderSpec, decoder_params
 from specjax.models.weights import tensor_taker
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'
 
 
 @dataclasses.dataclass(frozen=True)
-class Gemma3Config:
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  layer_types: tuple[str, ...]
+class Gemma3Config(DecoderShape):
   rms_norm_eps: float = 1e-6
   rope_theta: float = 1_000_000.0
   rope_local_base_freq: float = 10_000.0

@@ -42,22 +42,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.paged_attention import paged_attention
-from specjax.cache.paged import KVCache, write_kv
+from specjax.cache.paged import KVCache
 from specjax.errors import SpecjaxError
-from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInputs
+from specjax.models.contract import CacheLayout, ChainAppend, DraftLayerSpec, StepInputs
 from specjax.models.layers import (
     ACTIVATIONS,
+    Attention,
     AttentionSpec,
+    DecoderBlock,
     GatedMLP,
     RMSNorm,
     Rope,
-    dense_attention,
     param,
     rms_normalize,
     routed_experts,
 )
-from specjax.models.transformer import head_logits, mlp_params
+from specjax.models.transformer import head_logits, mlp_params, run_layers
 from specjax.models.weights import tensor_taker, unwrap_language_model
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'
@@ -126,6 +126,8 @@ class Gemma4Config:
         eps=self.rms_norm_eps,
         qk_norm=True,
         window=self.sliding_window if sliding else None,
+        kv=('shared', 'k=v', 'own')[self.kv_projections(i)],
+        v_norm=True,
     )
 
   @classmethod
@@ -264,66 +266,6 @@ def rope_from_hf(rope: dict[str, Any], layer_type: str, head_dim: int, where: st
   raise SpecjaxError(f'{where}: unsupported rope_type {kind!r} for {layer_type} (supported: default, proportional)')
 
 
-class Gemma4Attention(nnx.Module):
-  """GQA attention with q/k norms, a weightless v norm and scale 1; a KV-shared layer only has queries.
-
-  `kv`: the layer's key/value projections: 2 (k, v), 1 (values are the keys,
-  `attention_k_eq_v`) or 0 (KV-shared: it reads its donor's keys and values).
-  """
-
-  def __init__(self, dim: int, spec: AttentionSpec, *, kv: int, impl: str, dtype, rngs: nnx.Rngs):
-    n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    self.qkv_proj = param(rngs, (dim, (n + kv * k) * h), dtype)  # query | key (| value)
-    self.o_proj = param(rngs, (n * h, dim), dtype)
-    self.q_norm = RMSNorm(h, eps=spec.eps, dtype=dtype)
-    if kv:
-      self.k_norm = RMSNorm(h, eps=spec.eps, dtype=dtype)
-    self.spec, self.kv, self.impl = spec, kv, impl
-
-  def __call__(
-      self,
-      x: jax.Array,  # [B, T, D]
-      inputs: StepInputs,
-      cache: PagedKV | None,  # this layer's pages, or its donor's (a KV-shared layer reads them, writes nothing)
-      donor: tuple[jax.Array, jax.Array] | None = None,  # without a cache: the donor's keys, values [B, T, K, H]
-  ) -> tuple[jax.Array, PagedKV | None, tuple[jax.Array, jax.Array] | None]:
-    """Returns the output [B, T, D], the cache view and, without a cache, this layer's keys and values."""
-    s = self.spec
-    b, t, _ = x.shape
-    n, k, h = s.num_heads, s.num_kv_heads, s.head_dim
-    proj = jnp.einsum('btd,de->bte', x, self.qkv_proj[...]).reshape(b, t, -1, h)
-    q = s.rope(self.q_norm(proj[:, :, :n]), inputs.positions)
-    own = None
-    if self.kv:
-      key = proj[:, :, n : n + k]
-      value = proj[:, :, n + k :] if self.kv == 2 else key
-      own = s.rope(self.k_norm(key), inputs.positions), rms_normalize(value, s.eps).astype(value.dtype)
-    if cache is None:
-      key, value = own or donor
-      out = dense_attention(q, key, value, inputs, scale=s.scale, window=s.window)
-    else:
-      if own is not None:
-        cache = dataclasses.replace(
-            cache,
-            k_pages=write_kv(cache.k_pages, own[0], inputs.page_ids, inputs.page_slots),
-            v_pages=write_kv(cache.v_pages, own[1], inputs.page_ids, inputs.page_slots),
-        )
-      out = paged_attention(
-          q,
-          cache.k_pages,
-          cache.v_pages,
-          cache.block_tables,
-          cache.lengths,
-          query_lens=inputs.query_lens,
-          mask=inputs.mask,
-          sliding_window=s.window,
-          scale=s.scale,
-          impl=self.impl,
-      )
-    out = jnp.einsum('bte,ed->btd', out.reshape(b, t, n * h), self.o_proj[...])
-    return out, cache, own if cache is None else None
-
-
 class Gemma4MoE(nnx.Module):
   """Routed GeGLU experts on the pre-MLP residual, their output post-normed (26B-A4B)."""
 
@@ -348,44 +290,23 @@ class Gemma4MoE(nnx.Module):
     return self.post_norm(out)
 
 
-class Gemma4Block(nnx.Module):
+def _block(cfg: Gemma4Config, i: int, *, attention_impl: str, dtype, rngs: nnx.Rngs) -> DecoderBlock:
   """Sandwich-normed attention and MLP (+ MoE), then the per-layer embedding branch, times `layer_scalar`."""
-
-  def __init__(self, cfg: Gemma4Config, i: int, *, attention_impl: str, dtype, rngs: nnx.Rngs):
-    d = cfg.hidden_size
-    norm = lambda dim=d: RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=dtype)
-    self.mixer_norm, self.mixer_post_norm = norm(), norm()
-    kv = cfg.kv_projections(i)
-    self.mixer = Gemma4Attention(d, cfg.attention_spec(i), kv=kv, impl=attention_impl, dtype=dtype, rngs=rngs)
-    self.mlp_norm, self.mlp_post_norm = norm(), norm()
-    self.mlp = GatedMLP(d, cfg.mlp_width(i), activation=cfg.hidden_activation, dtype=dtype, rngs=rngs)
-    if cfg.num_experts:
-      self.dense_post_norm = norm()
-      self.moe = Gemma4MoE(cfg, dtype=dtype, rngs=rngs)
-    if cfg.hidden_size_per_layer_input:
-      p = cfg.hidden_size_per_layer_input
-      self.ple_gate = param(rngs, (d, p), dtype)
-      self.ple_proj = param(rngs, (p, d), dtype)
-      self.ple_norm = norm()
-    self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
-    self.activation, self.has_moe = cfg.hidden_activation, bool(cfg.num_experts)
-
-  def __call__(
-      self,
-      x: jax.Array,  # [B, T, D]
-      per_layer_input: jax.Array | None,  # [B, T, P]
-      mix,  # (attention, normed x) -> (out, cache part)
-  ) -> tuple[jax.Array, Any]:
-    out, part = mix(self.mixer, self.mixer_norm(x))
-    x = x + self.mixer_post_norm(out)
-    out = self.mlp(self.mlp_norm(x))
-    if self.has_moe:
-      out = self.dense_post_norm(out) + self.moe(x)
-    x = x + self.mlp_post_norm(out)
-    if per_layer_input is not None:
-      gate = ACTIVATIONS[self.activation](jnp.einsum('btd,dp->btp', x, self.ple_gate[...])) * per_layer_input
-      x = x + self.ple_norm(jnp.einsum('btp,pd->btd', gate, self.ple_proj[...]))
-    return x * self.layer_scalar[...], part
+  d = cfg.hidden_size
+  return DecoderBlock(
+      d,
+      Attention(d, cfg.attention_spec(i), impl=attention_impl, dtype=dtype, rngs=rngs),
+      GatedMLP(d, cfg.mlp_width(i), activation=cfg.hidden_activation, dtype=dtype, rngs=rngs),
+      eps=cfg.rms_norm_eps,
+      offset=0.0,
+      sandwich=True,
+      moe=Gemma4MoE(cfg, dtype=dtype, rngs=rngs) if cfg.num_experts else None,
+      per_layer_dim=cfg.hidden_size_per_layer_input,
+      activation=cfg.hidden_activation,
+      layer_scalar=True,
+      dtype=dtype,
+      rngs=rngs,
+  )
 
 
 class Gemma4(ChainAppend, nnx.Module):
@@ -412,7 +333,7 @@ class Gemma4(ChainAppend, nnx.Module):
       self.per_layer_model_projection = param(rngs, (d, lp), dtype)
       self.per_layer_projection_norm = RMSNorm(p, eps=cfg.rms_norm_eps, dtype=dtype)
     self.layers = nnx.List(
-        [Gemma4Block(cfg, i, attention_impl=attention_impl, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        [_block(cfg, i, attention_impl=attention_impl, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
     )
     self.norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
     if not cfg.tie_word_embeddings:
@@ -425,6 +346,19 @@ class Gemma4(ChainAppend, nnx.Module):
   def kv_donors(self) -> dict[str, int]:
     """Layer type -> index into `cache.k_pages` of the last unshared layer of that type."""
     return self.cfg.donors
+
+  def draft_layer_spec(self) -> DraftLayerSpec:
+    """The last full layer's heads and head dim, a default RoPE at its base, the dense MLP width, sandwich norms."""
+    c = self.cfg
+    i = max((i for i, t in enumerate(c.layer_types) if t == FULL), default=c.num_layers - 1)
+    return DraftLayerSpec(
+        c.hidden_size,
+        c.intermediate_size,
+        c.attention_spec(i),
+        activation=c.hidden_activation,
+        norm_eps=c.rms_norm_eps,
+        sandwich_norms=True,
+    )
 
   def kv_layer(self, i: int) -> int:
     """Index into `cache.k_pages` of the keys and values layer i attends to (a shared layer's: its donor's)."""
@@ -475,39 +409,18 @@ class Gemma4(ChainAppend, nnx.Module):
     layer. Without a cache a shared layer attends to its donor's keys and
     values of the given tokens.
     """
-    c = self.cfg
-    num_layers = c.num_layers if num_layers is None else num_layers
-    x, tapped, dense = self.embed(tokens), {}, {}  # dense: layer type -> latest unshared (keys, values), no cache
-    ple = self.per_layer_inputs(tokens, x)
-    if cache is not None:
-      kv_lens = cache.lengths + inputs.query_lens
-      k_all, v_all = list(cache.k_pages), list(cache.v_pages)
-    for i in range(num_layers):
-      j, shared, t = self.kv_layer(i), i >= c.first_shared, c.layer_types[i]
-      kv = None if cache is None else PagedKV(k_all[j], v_all[j], cache.block_tables, kv_lens)
-      x, (kv, own) = self.layers[i](
-          x, None if ple is None else ple[:, :, i], lambda attn, y: _split(attn(y, inputs, kv, dense.get(t)))
-      )
-      if cache is not None and not shared:
-        k_all[j], v_all[j] = kv.k_pages, kv.v_pages
-      elif own is not None:
-        dense[t] = own
-      if i in taps:
-        tapped[i] = x
-    if cache is not None:
-      cache = dataclasses.replace(cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens)
-    return self.norm(x), cache, tuple(tapped[i] for i in taps)
+    num_layers = self.cfg.num_layers if num_layers is None else num_layers
+    x = self.embed(tokens)
+    pages = [self.kv_layer(i) for i in range(num_layers)]
+    x, cache, tapped = run_layers(
+        self.layers, x, inputs, cache, taps, pages, per_layer=self.per_layer_inputs(tokens, x)
+    )
+    return self.norm(x), cache, tapped
 
   def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:  # [..., D] -> [..., V]
     """Softcapped logits; with `ids` [V'] only those vocabulary columns ([..., V']: a training draft vocabulary)."""
     head = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
     return head_logits(hidden, head, ids, self.cfg.final_logit_softcapping)
-
-
-def _split(result):
-  """(out, cache view, own keys/values) -> (out, (cache view, own keys/values)), the block's `mix` form."""
-  out, kv, own = result
-  return out, (kv, own)
 
 
 def build(cfg: Gemma4Config, **kwargs) -> Gemma4:

@@ -49,11 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.paged_attention import MASK_VALUE, paged_attention
+from pallas_kernels.paged_attention import paged_attention
 from specjax.errors import SpecjaxError
 from specjax.models.contract import PagedKV
 from specjax.models.gemma4 import DEFAULT_ROPE, FULL, SLIDING, rope_from_hf
-from specjax.models.layers import ACTIVATIONS, AttentionSpec, DecoderBlock, GatedMLP, RMSNorm, Rope, param
+from specjax.models.layers import ACTIVATIONS, AttentionSpec, DecoderBlock, GatedMLP, RMSNorm, Rope, dense_attention, param
 from specjax.models.transformer import mlp_params
 from specjax.models import weights
 from specjax.models.weights import hf_from_params, tensor_taker
@@ -261,17 +261,11 @@ def donor_attention(
         impl=impl,
     )
     return out.reshape(b, t, n, h)
-  k_heads = kv.k.shape[2]
-  logits = jnp.einsum(
-      'btkgh,bskh->bkgts', q.reshape(b, t, k_heads, n // k_heads, h), kv.k, preferred_element_type=jnp.float32
-  )
   key = jnp.arange(kv.k.shape[1])[None, None, :]  # [1, 1, S]
   seen = key < lengths[:, :, None]  # [B, T, S]
   if window is not None:
     seen &= key >= lengths[:, :, None] - window
-  logits = jnp.where(seen[:, None, None], logits, MASK_VALUE)
-  probs = jnp.where(jnp.any(seen, -1)[:, None, None, :, None], jax.nn.softmax(logits, axis=-1), 0.0)
-  return jnp.einsum('bkgts,bskh->btkgh', probs.astype(kv.v.dtype), kv.v).reshape(b, t, n, h)
+  return dense_attention(q, kv.k, kv.v, seen, scale=1.0)
 
 
 # ---------------------------------------------------------------- the module

@@ -141,57 +141,80 @@ class AttentionSpec:
   head_dim: int
   rope: Rope
   scale: float  # multiplies q.k
-  eps: float = 1e-6  # q/k norms
+  eps: float = 1e-6  # q/k norms (and the v norm)
   qk_norm: bool = False  # per-head RMSNorm of queries and keys
   norm_offset: float = 0.0  # of the q/k norms
   window: int | None = None  # sliding window: keys at most window - 1 positions back
   softcap: float | None = None  # cap * tanh(logits / cap)
   output_gate: bool = False  # out * sigmoid(gate), the gate packed per head after the query
+  kv: str = 'own'  # 'own' k and v projections; 'k=v': values are the raw key projection; 'shared': none (a donor's)
+  v_norm: bool = False  # a weightless RMS norm on the values (Gemma 4)
 
 
-def dense_attention(
-    q: jax.Array,  # [B, T, N, H]
-    k: jax.Array,  # [B, T, K, H]
-    v: jax.Array,  # [B, T, K, H]
-    inputs: StepInputs,
-    *,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> jax.Array:  # [B, T, N, H]
-  """Attention among the given tokens only (no cache): training and references.
+KV_PROJECTIONS = {'own': 2, 'k=v': 1, 'shared': 0}  # AttentionSpec.kv -> key/value projections of the layer
+
+
+def token_mask(inputs: StepInputs, window: int | None = None) -> jax.Array:  # [B, T, T] bool
+  """Which given token each given token sees without a cache.
 
   Token i sees token j iff j < query_lens, `mask[i, j]` (causal j <= i when no
   mask is given) and, with a window, `positions[i] - positions[j] < window`.
-  Padded rows and rows that see nothing give zeros, as in the paged kernel.
   """
-  b, t, n, h = q.shape
-  kv = k.shape[2]
-  qg = q.reshape(b, t, kv, n // kv, h)
-  logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=jnp.float32) * scale
-  if softcap:
-    logits = jnp.tanh(logits / softcap) * softcap
-  idx = jnp.arange(t)
+  idx = jnp.arange(inputs.positions.shape[1])
   live = idx[None, :] < inputs.query_lens[:, None]  # [B, T]
   seen = inputs.mask if inputs.mask is not None else (idx[None, :, None] >= idx[None, None, :])
   seen = seen & live[:, None, :] & live[:, :, None]
   if window is not None:
     seen = seen & (inputs.positions[:, :, None] - inputs.positions[:, None, :] < window)
+  return seen
+
+
+def dense_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, S, K, H]
+    v: jax.Array,  # [B, S, K, H]
+    seen: jax.Array,  # [B, T, S] bool: query t sees key s
+    *,
+    scale: float,
+    softcap: float | None = None,
+    row_kv: tuple[tuple[jax.Array, jax.Array], ...] = (),  # (keys, values) [B, T, K, H]: query t sees row t of each
+) -> jax.Array:  # [B, T, N, H]
+  """Masked attention over keys given as arrays: the cache-free forward, references, training.
+
+  `row_kv` adds keys that each query sees at its own row only (the training-time
+  test's later steps). Queries that see nothing give zeros, as in the paged kernel.
+  """
+  b, t, n, h = q.shape
+  s, kv = k.shape[1], k.shape[2]
+  qg = q.reshape(b, t, kv, n // kv, h)
+  logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=jnp.float32) * scale
+  if row_kv:
+    own_row = [
+        jnp.einsum('btkgh,btkh->bkgt', qg, kj, preferred_element_type=jnp.float32)[..., None] for kj, _ in row_kv
+    ]
+    logits = jnp.concatenate([logits] + [x * scale for x in own_row], axis=-1)  # [B, K, G, T, S + rows]
+    seen = jnp.concatenate([seen, jnp.ones((b, t, len(row_kv)), bool)], axis=-1)
+  if softcap:
+    logits = jnp.tanh(logits / softcap) * softcap
   logits = jnp.where(seen[:, None, None], logits, MASK_VALUE)
   probs = jax.nn.softmax(logits, axis=-1)
-  probs = jnp.where(jnp.any(seen, axis=-1)[:, None, None, :, None], probs, 0.0)
-  out = jnp.einsum('bkgts,bskh->btkgh', probs.astype(v.dtype), v)
+  probs = jnp.where(jnp.any(seen, axis=-1)[:, None, None, :, None], probs, 0.0).astype(v.dtype)
+  out = jnp.einsum('bkgts,bskh->btkgh', probs[..., :s], v)
+  for j, (_, vj) in enumerate(row_kv):
+    out = out + jnp.einsum('bkgt,btkh->btkgh', probs[..., s + j], vj)
   return out.reshape(b, t, n, h)
 
 
 class Attention(nnx.Module):
   """GQA attention over the paged KV cache (or over the given tokens alone).
 
-  Options (`AttentionSpec`): q/k norms, RoPE variants, sliding window, logit
-  softcap, sigmoid output gate. q, k, v (and gate) come from one fused
-  `[D_in, (N + 2K (+ N)) * H]` matrix: one pass over the weights. The input
-  width `in_dim` defaults to the output width `dim` (EAGLE-3's layer reads
-  2D: embedding and hidden state side by side).
+  Options (`AttentionSpec`): q/k norms, a weightless v norm, RoPE variants,
+  sliding window, logit softcap, sigmoid output gate, and where keys and values
+  come from (`kv`): own projections, values that are the raw key projection
+  (`k=v`), or none (`shared`: a donor layer's, read and never written). q, k, v
+  (and gate) come from one fused `[D_in, (N + 2K (+ N)) * H]` matrix: one pass
+  over the weights. The input width `in_dim` defaults to the output width `dim`
+  (EAGLE-3's layer reads 2D: embedding and hidden state side by side).
   """
 
   def __init__(
@@ -206,36 +229,47 @@ class Attention(nnx.Module):
   ):
     n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
     q_cols = 2 * n if spec.output_gate else n
-    self.qkv_proj = param(rngs, (in_dim or dim, (q_cols + 2 * k) * h), dtype)  # query | key | value (| gate)
+    cols = (q_cols + KV_PROJECTIONS[spec.kv] * k) * h
+    self.qkv_proj = param(rngs, (in_dim or dim, cols), dtype)  # query | key (| value) (| gate)
     self.o_proj = param(rngs, (n * h, dim), dtype)
     if spec.qk_norm:
       self.q_norm = RMSNorm(h, eps=spec.eps, offset=spec.norm_offset, dtype=dtype)
-      self.k_norm = RMSNorm(h, eps=spec.eps, offset=spec.norm_offset, dtype=dtype)
+      if spec.kv != 'shared':
+        self.k_norm = RMSNorm(h, eps=spec.eps, offset=spec.norm_offset, dtype=dtype)
     self.spec = spec
     self.impl = impl
 
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:  # x [B, T, D_in]
-    """Queries [B, T, N, H], keys and values [B, T, K, H] (normed, rotated) and the output gate (or None)."""
+    """Queries [B, T, N, H], keys and values [B, T, K, H] (normed, rotated; None when shared), the gate (or None)."""
     s = self.spec
     b, t, _ = x.shape
-    n, k, h = s.num_heads, s.num_kv_heads, s.head_dim
+    n, h = s.num_heads, s.head_dim
+    m = KV_PROJECTIONS[s.kv] * s.num_kv_heads
     qkv = jnp.einsum('btd,de->bte', x, self.qkv_proj[...]).reshape(b, t, -1, h)
-    q, key, value = qkv[:, :, :n], qkv[:, :, n : n + k], qkv[:, :, n + k : n + 2 * k]
-    if s.qk_norm:
-      q, key = self.q_norm(q), self.k_norm(key)
-    gate = qkv[:, :, n + 2 * k :] if s.output_gate else None
-    return s.rope(q, positions), s.rope(key, positions), value, gate
+    q = self.q_norm(qkv[:, :, :n]) if s.qk_norm else qkv[:, :, :n]
+    gate = qkv[:, :, n + m :] if s.output_gate else None
+    key, value = self.keys_values(qkv[:, :, n : n + m], positions) if m else (None, None)
+    return s.rope(q, positions), key, value, gate
 
   def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:  # x [B, T, D_in]
     """Keys (normed, rotated) and values [B, T, K, H] only: DFlash's context rows have no queries."""
     s = self.spec
     b, t, _ = x.shape
-    n, k, h = s.num_heads, s.num_kv_heads, s.head_dim
-    w = self.qkv_proj[...][:, n * h : (n + 2 * k) * h]  # query | key | value (| gate): the key and value columns
-    kv = jnp.einsum('btd,de->bte', x, w).reshape(b, t, 2 * k, h)
-    key, value = kv[:, :, :k], kv[:, :, k:]
+    n, h = s.num_heads, s.head_dim
+    m = KV_PROJECTIONS[s.kv] * s.num_kv_heads
+    w = self.qkv_proj[...][:, n * h : (n + m) * h]  # query | key (| value) (| gate): the key and value columns
+    return self.keys_values(jnp.einsum('btd,de->bte', x, w).reshape(b, t, m, h), positions)
+
+  def keys_values(self, kv: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, T, M, H]
+    """The key (and value) projections -> keys (normed, rotated) and values (v-normed) [B, T, K, H]."""
+    s = self.spec
+    k = s.num_kv_heads
+    key = kv[:, :, :k]
+    value = kv[:, :, k : 2 * k] if s.kv == 'own' else key  # k=v: the raw key projection
     if s.qk_norm:
       key = self.k_norm(key)
+    if s.v_norm:
+      value = rms_normalize(value, s.eps).astype(value.dtype)
     return s.rope(key, positions), value
 
   def output(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:
@@ -249,31 +283,40 @@ class Attention(nnx.Module):
       self,
       x: jax.Array,  # [B, T, D]
       inputs: StepInputs,
-      kv: PagedKV | None,
-  ) -> tuple[jax.Array, PagedKV | None]:
+      kv: PagedKV | tuple[jax.Array, jax.Array] | None,
+  ) -> tuple[jax.Array, PagedKV | tuple[jax.Array, jax.Array]]:
+    """The output [B, T, D] and what it attended to.
+
+    `kv`: the layer's pages (a shared layer: its donor's), returned with this
+    step's keys and values written (a shared layer writes none); without a
+    cache None, or for a shared layer the donor's (keys, values) [B, T, K, H] of
+    the same tokens, and the (keys, values) attended to are returned.
+    """
     s = self.spec
     q, key, value, gate = self.project(x, inputs.positions)
-    if kv is None:
-      out = dense_attention(q, key, value, inputs, scale=s.scale, window=s.window, softcap=s.softcap)
-    else:
+    if not isinstance(kv, PagedKV):
+      key, value = kv if key is None else (key, value)
+      out = dense_attention(q, key, value, token_mask(inputs, s.window), scale=s.scale, softcap=s.softcap)
+      return self.output(out, gate), (key, value)
+    if key is not None:
       kv = dataclasses.replace(
           kv,
           k_pages=write_kv(kv.k_pages, key, inputs.page_ids, inputs.page_slots),
           v_pages=write_kv(kv.v_pages, value, inputs.page_ids, inputs.page_slots),
       )
-      out = paged_attention(
-          q,
-          kv.k_pages,
-          kv.v_pages,
-          kv.block_tables,
-          kv.lengths,
-          query_lens=inputs.query_lens,
-          mask=inputs.mask,
-          sliding_window=s.window,
-          logit_softcap=s.softcap,
-          scale=s.scale,
-          impl=self.impl,
-      )
+    out = paged_attention(
+        q,
+        kv.k_pages,
+        kv.v_pages,
+        kv.block_tables,
+        kv.lengths,
+        query_lens=inputs.query_lens,
+        mask=inputs.mask,
+        sliding_window=s.window,
+        logit_softcap=s.softcap,
+        scale=s.scale,
+        impl=self.impl,
+    )
     return self.output(out, gate), kv
 
 
@@ -364,7 +407,12 @@ class MoE(nnx.Module):
 class DecoderBlock(nnx.Module):
   """Pre-norm residual block around a token mixer and an MLP.
 
-  `sandwich=True` adds Gemma's post-norms on both branch outputs.
+  `sandwich=True` adds Gemma's post-norms on both branch outputs. Gemma 4's
+  options: `moe`, a second branch on the pre-MLP residual (the dense MLP's
+  output is then post-normed by `dense_post_norm` and the sum by
+  `mlp_post_norm`); `per_layer_dim` P, a per-layer embedding input `[B, T, P]`
+  added after the MLP as `ple_norm(ple_proj(act(ple_gate(x)) * input))`; and
+  `layer_scalar`, the block's output times a learned scalar.
   """
 
   def __init__(
@@ -376,7 +424,12 @@ class DecoderBlock(nnx.Module):
       eps: float,
       offset: float,
       sandwich: bool = False,
+      moe: nnx.Module | None = None,
+      per_layer_dim: int = 0,
+      activation: str = 'silu',  # of the per-layer embedding gate
+      layer_scalar: bool = False,
       dtype=jnp.float32,
+      rngs: nnx.Rngs | None = None,  # for the per-layer embedding projections
   ):
     norm = lambda: RMSNorm(dim, eps=eps, offset=offset, dtype=dtype)
     self.mixer_norm = norm()
@@ -387,10 +440,35 @@ class DecoderBlock(nnx.Module):
     if sandwich:
       self.mixer_post_norm = norm()
       self.mlp_post_norm = norm()
+    self.has_moe = moe is not None
+    if moe is not None:
+      self.dense_post_norm = norm()
+      self.moe = moe
+    if per_layer_dim:
+      self.ple_gate = param(rngs, (dim, per_layer_dim), dtype)
+      self.ple_proj = param(rngs, (per_layer_dim, dim), dtype)
+      self.ple_norm = norm()
+    self.activation = activation
+    self.has_layer_scalar = layer_scalar
+    if layer_scalar:
+      self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
 
-  def __call__(self, x: jax.Array, mix: Callable) -> tuple[jax.Array, object]:
-    """`mix(mixer, normed_x) -> (out, cache_part)` runs the token mixer; returns (x, cache_part)."""
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, D]
+      mix: Callable,  # (mixer, normed x) -> (out, cache part)
+      per_layer_input: jax.Array | None = None,  # [B, T, P]
+  ) -> tuple[jax.Array, object]:
+    """Runs the token mixer through `mix`, then the MLP (and the options); returns (x, cache part)."""
     out, part = mix(self.mixer, self.mixer_norm(x))
     x = x + (self.mixer_post_norm(out) if self.sandwich else out)
     out = self.mlp(self.mlp_norm(x))
-    return x + (self.mlp_post_norm(out) if self.sandwich else out), part
+    if self.has_moe:
+      out = self.dense_post_norm(out) + self.moe(x)
+    x = x + (self.mlp_post_norm(out) if self.sandwich else out)
+    if per_layer_input is not None:
+      gate = ACTIVATIONS[self.activation](jnp.einsum('btd,dp->btp', x, self.ple_gate[...])) * per_layer_input
+      x = x + self.ple_norm(jnp.einsum('btp,pd->btd', gate, self.ple_proj[...]))
+    if self.has_layer_scalar:
+      x = x * self.layer_scalar[...]
+    return x, part

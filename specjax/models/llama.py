@@ -20,7 +20,7 @@ import numpy as np
 
 from specjax.errors import SpecjaxError
 from specjax.models.layers import ACTIVATIONS, AttentionSpec, Rope
-from specjax.models.transformer import DecoderLM, DecoderSpec, decoder_params
+from specjax.models.transformer import DecoderLM, DecoderShape, DecoderSpec, decoder_params
 from specjax.models.weights import tensor_taker
 
 MODEL_TYPES = ('llama', 'mistral', 'qwen3')
@@ -28,16 +28,8 @@ SLIDING, FULL = 'sliding_attention', 'full_attention'
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(DecoderShape):
   model_type: str
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  layer_types: tuple[str, ...]
   rope: Rope
   rms_norm_eps: float = 1e-5
   sliding_window: int | None = None

@@ -7,7 +7,7 @@ own output, drafting deeper); the result goes through the target's LM head and
 predicts x_{t+2}. The block has its own paged KV cache; the target's
 embedding and head are shared (passed in, not owned). `for_target` builds one
 for a loaded target of any family: Qwen's layout for the hybrids (gated
-attention), else a block like the target's last full-attention layer.
+attention), else a block shaped as the target's `draft_layer_spec()`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.cache.paged import KVCache
-from specjax.models.contract import CacheLayout, PagedKV, StepInputs
-from specjax.models.layers import Attention, AttentionSpec, DecoderBlock, GatedMLP, RMSNorm, param
+from specjax.models.contract import CacheLayout, DraftLayerSpec, PagedKV, StepInputs
+from specjax.models.layers import Attention, DecoderBlock, GatedMLP, RMSNorm, param
 from specjax.models.weights import tensor_taker
 
 
@@ -60,27 +60,20 @@ class MTPHead(nnx.Module):
     return self.norm(x), cache
 
 
-def _attention_spec(spec) -> AttentionSpec:
-  """The head's attention: the target's last full-attention layer's (or its last layer's, without a window)."""
-  full = [a for a in spec.layers if a.window is None]
-  return dataclasses.replace(full[-1] if full else spec.layers[-1], window=None)
-
-
-def decoder_mtp_head(spec, *, attention_impl: str = 'auto', dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-  """An MTP head for a `DecoderLM` (`spec`: its `DecoderSpec`): a block like its last full-attention layer."""
+def draft_mtp_head(layer: DraftLayerSpec, *, attention_impl: str = 'auto', dtype=jnp.float32, rngs=None) -> MTPHead:
+  """An MTP head whose block is `layer` (a target's `draft_layer_spec()`)."""
   rngs = rngs or nnx.Rngs(0)
-  attn = _attention_spec(spec)
-  d = spec.hidden_size
-  layer = DecoderBlock(
+  d = layer.hidden_size
+  block = DecoderBlock(
       d,
-      Attention(d, attn, impl=attention_impl, dtype=dtype, rngs=rngs),
-      GatedMLP(d, spec.intermediate_size, activation=spec.activation, dtype=dtype, rngs=rngs),
-      eps=spec.norm_eps,
-      offset=spec.norm_offset,
-      sandwich=spec.sandwich_norms,
+      Attention(d, layer.attention, impl=attention_impl, dtype=dtype, rngs=rngs),
+      GatedMLP(d, layer.intermediate_size, activation=layer.activation, dtype=dtype, rngs=rngs),
+      eps=layer.norm_eps,
+      offset=layer.norm_offset,
+      sandwich=layer.sandwich_norms,
       dtype=dtype,
   )
-  return MTPHead(d, layer, eps=spec.norm_eps, offset=spec.norm_offset, dtype=dtype, rngs=rngs)
+  return MTPHead(d, block, eps=layer.norm_eps, offset=layer.norm_offset, dtype=dtype, rngs=rngs)
 
 
 def for_target(target, *, rngs: nnx.Rngs | None = None, attention_impl: str = 'auto', dtype=None) -> MTPHead:
@@ -90,27 +83,28 @@ def for_target(target, *, rngs: nnx.Rngs | None = None, attention_impl: str = 'a
   dtype = dtype or target.dtype or jnp.float32
   if isinstance(target.config, qwen3_5.Qwen35Config):
     return qwen3_5.mtp_head(target.config, attention_impl=attention_impl, dtype=dtype, rngs=rngs)
-  return decoder_mtp_head(target.config.decoder_spec(), attention_impl=attention_impl, dtype=dtype, rngs=rngs)
+  layer = target.module().draft_layer_spec()
+  return draft_mtp_head(layer, attention_impl=attention_impl, dtype=dtype, rngs=rngs)
 
 
-def params_from_hf(target_config, tensors: dict) -> dict:
+def params_from_hf(target, tensors: dict) -> dict:
   """HF-named `mtp.*` tensors (Qwen's names: `mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.layers.0.*`, `mtp.norm`) as
-  the pure-dict state of `for_target`'s head for a target with this config."""
+  the pure-dict state of `for_target`'s head for this loaded target."""
   from specjax.models import qwen3_5
   from specjax.models.transformer import block_params
 
-  if isinstance(target_config, qwen3_5.Qwen35Config):
-    return qwen3_5.mtp_params_from_hf(target_config, tensors)
-  spec = target_config.decoder_spec()
+  if isinstance(target.config, qwen3_5.Qwen35Config):
+    return qwen3_5.mtp_params_from_hf(target.config, tensors)
+  layer = target.module().draft_layer_spec()
   take = tensor_taker(tensors)
-  d = spec.hidden_size
-  layer = block_params(
-      take, 'mtp.layers.0.', _attention_spec(spec), d, spec.intermediate_size, sandwich=spec.sandwich_norms
+  d = layer.hidden_size
+  block = block_params(
+      take, 'mtp.layers.0.', layer.attention, d, layer.intermediate_size, sandwich=layer.sandwich_norms
   )
   return {
       'pre_fc_norm_embedding': {'scale': take('mtp.pre_fc_norm_embedding.weight', (d,))},
       'pre_fc_norm_hidden': {'scale': take('mtp.pre_fc_norm_hidden.weight', (d,))},
       'fc': take('mtp.fc.weight', (d, 2 * d)).T,
-      'layer': layer,
+      'layer': block,
       'norm': {'scale': take('mtp.norm.weight', (d,))},
   }

@@ -33,10 +33,10 @@ from flax import nnx
 from specjax.cache.paged import KVCache
 from specjax.errors import SpecjaxError
 from specjax.models import gated_deltanet as gdn
-from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInputs
+from specjax.models.contract import CacheLayout, ChainAppend, DraftLayerSpec, StepInputs
 from specjax.models.layers import Attention, AttentionSpec, DecoderBlock, GatedMLP, MoE, RMSNorm, Rope, param
 from specjax.models.mtp import MTPHead
-from specjax.models.transformer import mlp_params
+from specjax.models.transformer import DecoderShape, mlp_params, run_layers
 from specjax.models.weights import tensor_taker, unwrap_language_model
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
@@ -45,15 +45,7 @@ MODEL_TYPES = ('qwen3_5', 'qwen3_5_text') + MOE_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen35Config:
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  layer_types: tuple[str, ...]
+class Qwen35Config(DecoderShape):
   linear_num_key_heads: int
   linear_num_value_heads: int
   linear_key_head_dim: int
@@ -283,6 +275,13 @@ class Qwen35(ChainAppend, nnx.Module):
         ((c.num_kv_heads, c.head_dim),) * c.layer_types.count(FULL), ((ssm, conv),) * c.layer_types.count(LINEAR)
     )
 
+  def draft_layer_spec(self) -> DraftLayerSpec:
+    """The attention layers' shape without the output gate, the dense MLP width, (1 + w) norms."""
+    c = self.cfg
+    return DraftLayerSpec(
+        c.hidden_size, c.intermediate_size, c.attention_spec(), norm_eps=c.rms_norm_eps, norm_offset=1.0
+    )
+
   def lookup(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     """Raw rows of the embedding table; the same as `embed` here (no embedding scale)."""
     return jnp.take(self.embed_tokens[...], tokens, axis=0)
@@ -314,42 +313,17 @@ class Qwen35(ChainAppend, nnx.Module):
       conv_all = [jnp.zeros((b, 1, *c), self.embed_tokens.dtype) for _, c in self.cache_layout().state_shapes]
       state_slot = jnp.zeros((b,), jnp.int32)
     else:
-      kv_lens = cache.lengths + inputs.query_lens
-      k_all, v_all = list(cache.k_pages), list(cache.v_pages)
       ssm_all, conv_all, state_slot = list(cache.ssm), list(cache.conv), cache.state_slot
-    x, tapped, attn_i, linear_i = self.embed(tokens), {}, 0, 0
-    for i in range(num_layers):
-      if self.cfg.layer_types[i] == FULL:
-        j = attn_i
-        kv = None if cache is None else PagedKV(k_all[j], v_all[j], cache.block_tables, kv_lens)
-        x, kv = self.layers[i](x, lambda attn, y: attn(y, inputs, kv))
-        if cache is not None:
-          k_all[j], v_all[j] = kv.k_pages, kv.v_pages
-        attn_i += 1
-      else:
-        j = linear_i
-
-        def delta_net(net, y):
-          out, ssm, conv = net(y, ssm_all[j], conv_all[j], state_slot, inputs.query_lens)
-          return out, (ssm, conv)
-
-        x, (ssm_all[j], conv_all[j]) = self.layers[i](x, delta_net)
-        linear_i += 1
-      if i in taps:
-        tapped[i] = x
+    types = self.cfg.layer_types[:num_layers]
+    pages = [types[:i].count(FULL) if kind == FULL else None for i, kind in enumerate(types)]
+    x, cache, tapped = run_layers(
+        self.layers, self.embed(tokens), inputs, cache, taps, pages, state=(ssm_all, conv_all, state_slot)
+    )
     if cache is not None:
       recurrent = t <= cache.num_slots
       slot = jnp.maximum(inputs.query_lens - 1, 0) if recurrent else jnp.zeros_like(inputs.query_lens)
-      cache = dataclasses.replace(
-          cache,
-          k_pages=tuple(k_all),
-          v_pages=tuple(v_all),
-          lengths=kv_lens,
-          ssm=tuple(ssm_all),
-          conv=tuple(conv_all),
-          state_slot=slot.astype(jnp.int32),
-      )
-    return self.norm(x), cache, tuple(tapped[i] for i in taps)
+      cache = dataclasses.replace(cache, ssm=tuple(ssm_all), conv=tuple(conv_all), state_slot=slot.astype(jnp.int32))
+    return self.norm(x), cache, tapped
 
   def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:  # [..., D] -> [..., V]
     """Final logits; with `ids` [V'] only those vocabulary columns ([..., V']: a training draft vocabulary)."""

@@ -18,8 +18,22 @@ import numpy as np
 from flax import nnx
 
 from specjax.cache.paged import KVCache
-from specjax.models.contract import CacheLayout, ChainAppend, PagedKV, StepInputs
+from specjax.models.contract import CacheLayout, ChainAppend, DraftLayerSpec, PagedKV, StepInputs
 from specjax.models.layers import AttentionSpec, Attention, DecoderBlock, GatedMLP, RMSNorm, param
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderShape:
+  """The fields a family config (Gemma 3, Llama, Qwen3.5) starts from, keyword-only."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  layer_types: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +87,20 @@ class DecoderLM(ChainAppend, nnx.Module):
   def cache_layout(self) -> CacheLayout:
     return CacheLayout(tuple((a.num_kv_heads, a.head_dim) for a in self.spec.layers))
 
+  def draft_layer_spec(self) -> DraftLayerSpec:
+    """The last full-attention layer (the last layer if every one has a window), its MLP and norms."""
+    s = self.spec
+    full = [a for a in s.layers if a.window is None]
+    return DraftLayerSpec(
+        s.hidden_size,
+        s.intermediate_size,
+        full[-1] if full else s.layers[-1],
+        activation=s.activation,
+        norm_eps=s.norm_eps,
+        norm_offset=s.norm_offset,
+        sandwich_norms=s.sandwich_norms,
+    )
+
   def lookup(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     """Raw rows of the embedding table (no Gemma sqrt(D) scale): what EAGLE-style drafters read."""
     return jnp.moveaxis(jnp.take(self.embed_tokens[...], tokens, axis=1), 0, -1)
@@ -99,25 +127,61 @@ class DecoderLM(ChainAppend, nnx.Module):
     each layer in `taps` (each `[B, T, D]`).
     """
     num_layers = len(self.spec.layers) if num_layers is None else num_layers
-    x, tapped = self.embed(tokens), {}
-    if cache is not None:
-      kv_lens = cache.lengths + inputs.query_lens
-      k_all, v_all = list(cache.k_pages), list(cache.v_pages)
-    for i in range(num_layers):
-      kv = None if cache is None else PagedKV(k_all[i], v_all[i], cache.block_tables, kv_lens)
-      x, kv = self.layers[i](x, lambda attn, y: attn(y, inputs, kv))
-      if cache is not None:
-        k_all[i], v_all[i] = kv.k_pages, kv.v_pages
-      if i in taps:
-        tapped[i] = x
-    if cache is not None:
-      cache = dataclasses.replace(cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens)
-    return self.norm(x), cache, tuple(tapped[i] for i in taps)
+    x, cache, tapped = run_layers(self.layers, self.embed(tokens), inputs, cache, taps, range(num_layers))
+    return self.norm(x), cache, tapped
 
   def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:  # [..., D] -> [..., V]
     """Final logits; with `ids` [V'] only those vocabulary columns ([..., V']: a training draft vocabulary)."""
     head = self.embed_tokens[...] if self.spec.tie_embeddings else self.lm_head[...]
     return head_logits(hidden, head, ids, self.spec.final_softcap)
+
+
+def run_layers(
+    blocks,  # the `DecoderBlock`s
+    x: jax.Array,  # [B, T, D] the embedded tokens
+    inputs: StepInputs,
+    cache: KVCache | None,
+    taps: tuple[int, ...],
+    pages,  # per layer to run: index into cache.k_pages of the keys and values it attends to; None: recurrent
+    *,
+    per_layer: jax.Array | None = None,  # [B, T, L, P] per-layer embedding inputs (Gemma 4)
+    state: tuple[list, list, jax.Array] | None = None,  # recurrent layers' (ssm, conv) slots, updated in place; slot
+) -> tuple[jax.Array, KVCache | None, tuple[jax.Array, ...]]:
+  """The layer loop of every family: the residual after the last layer, the cache and the residual after each tap.
+
+  An attention layer reads (and, unless KV-shared, writes) the pages `pages[i]`;
+  several layers naming one index share it (Gemma 4's KV sharing: a donor's
+  pages, written earlier in the step). Without a cache they share the donor's
+  keys and values of the given tokens. A recurrent layer (`pages[i]` None)
+  takes the next pair of `state`. The returned cache's lengths include this
+  step; pages no layer ran on are as they were.
+  """
+  kv_lens = None if cache is None else cache.lengths + inputs.query_lens
+  k_all, v_all = (None, None) if cache is None else (list(cache.k_pages), list(cache.v_pages))
+  dense, tapped, r = {}, {}, 0  # dense: page index -> (keys, values) without a cache
+  for i, j in enumerate(pages):
+    if j is None:
+      ssm, conv, slot = state
+
+      def recurrent(net, y, r=r):
+        out, ssm_r, conv_r = net(y, ssm[r], conv[r], slot, inputs.query_lens)
+        return out, (ssm_r, conv_r)
+
+      x, (ssm[r], conv[r]) = blocks[i](x, recurrent)
+      r += 1
+    else:
+      kv = dense.get(j) if cache is None else PagedKV(k_all[j], v_all[j], cache.block_tables, kv_lens)
+      ple = None if per_layer is None else per_layer[:, :, i]
+      x, kv = blocks[i](x, lambda attn, y, kv=kv: attn(y, inputs, kv), ple)
+      if cache is None:
+        dense[j] = kv
+      else:
+        k_all[j], v_all[j] = kv.k_pages, kv.v_pages
+    if i in taps:
+      tapped[i] = x
+  if cache is not None:
+    cache = dataclasses.replace(cache, k_pages=tuple(k_all), v_pages=tuple(v_all), lengths=kv_lens)
+  return x, cache, tuple(tapped[i] for i in taps)
 
 
 def head_logits(

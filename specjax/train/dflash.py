@@ -205,10 +205,9 @@ def default_mask_token(target) -> int | None:
 
 
 def draft_config(config, target):
-  """A `DFlashConfig` shaped like the target: its width, heads (Qwen3 layers: q/k norms, SwiGLU), full-attention RoPE."""
+  """A `DFlashConfig` shaped like the target's `draft_layer_spec()` (in Qwen3 layers: q/k norms, SwiGLU)."""
   from specjax.loading.dflash import default_taps
   from specjax.models.dflash import DFlashConfig
-  from specjax.train.eagle3 import target_attention
 
   c = target.config
   layers = config['drafter.layers']
@@ -227,15 +226,16 @@ def draft_config(config, target):
         if mask is not None
         else 'drafter.kind dflash: the tokenizer has no mask, pad or unk token; set drafter.mask_token_id'
     )
-  attn, intermediate = target_attention(target)
+  layer = target.module().draft_layer_spec()
+  attn = layer.attention
   return DFlashConfig(
       hidden_size=c.hidden_size,
-      intermediate_size=intermediate,
+      intermediate_size=layer.intermediate_size,
       num_heads=attn.num_heads,
       num_kv_heads=attn.num_kv_heads,
       head_dim=attn.head_dim,
-      norm_eps=attn.eps,
-      rope=dataclasses.replace(attn.rope, rotary_dim=0),
+      norm_eps=layer.norm_eps,
+      rope=attn.rope,
       num_layers=layers,
       block_size=config['drafter.block_size'],
       mask_token_id=mask,

@@ -148,31 +148,20 @@ def start_from_target_head(head, target, draft_ids: jax.Array, tap_scale=None) -
   head.mlp.down[...] = jnp.zeros_like(head.mlp.down[...])
 
 
-def target_attention(target):
-  """(AttentionSpec, MLP width) of the target's last full-attention layer: the shape a drafter layer copies."""
-  from specjax.models.mtp import _attention_spec
-
-  c = target.config
-  if hasattr(c, 'decoder_spec'):
-    spec = c.decoder_spec()
-    return _attention_spec(spec), spec.intermediate_size
-  return c.attention_spec(), c.intermediate_size  # hybrids: their gated attention's shape (a drafter's is plain)
-
-
 def head_config(config, target, taps: tuple[int, ...]):
-  """An `Eagle3Config` shaped like the target: its width, heads, MLP and full-attention RoPE."""
+  """An `Eagle3Config` shaped like the target's `draft_layer_spec()`: its width, heads, MLP and RoPE."""
   from specjax.models.eagle3 import Eagle3Config
 
-  c = target.config
-  attn, intermediate = target_attention(target)
+  c, layer = target.config, target.module().draft_layer_spec()
+  attn = layer.attention
   return Eagle3Config(
       hidden_size=c.hidden_size,
-      intermediate_size=intermediate,
+      intermediate_size=layer.intermediate_size,
       num_heads=attn.num_heads,
       num_kv_heads=attn.num_kv_heads,
       head_dim=attn.head_dim,
-      norm_eps=attn.eps,
-      rope=dataclasses.replace(attn.rope, rotary_dim=0),
+      norm_eps=layer.norm_eps,
+      rope=attn.rope,
       vocab_size=c.vocab_size,
       draft_vocab_size=config['drafter.draft_vocab_size'],
       taps=taps,

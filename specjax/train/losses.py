@@ -17,8 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import MASK_VALUE
 from specjax.models.contract import StepInputs
+from specjax.models.layers import dense_attention
 
 
 def shift(x: jax.Array, k: int, fill=0) -> jax.Array:
@@ -71,28 +71,12 @@ def ttt_attention(attn, x: jax.Array, positions: jax.Array, mask: jax.Array, pre
   """
   s = attn.spec
   q, k, v, gate = attn.project(x, positions)
-  b, t, n, h = q.shape
-  kh = k.shape[2]
-  qg = q.reshape(b, t, kh, n // kh, h)
   (k0, v0), diag = (prev[0], prev[1:] + [(k, v)]) if prev else ((k, v), [])
-  logits = [jnp.einsum('btkgh,bskh->bkgts', qg, k0, preferred_element_type=jnp.float32) * s.scale]
-  logits += [
-      jnp.einsum('btkgh,btkh->bkgt', qg, kj, preferred_element_type=jnp.float32)[..., None] * s.scale for kj, _ in diag
-  ]
-  logits = jnp.concatenate(logits, axis=-1)  # [B, K, G, T, T + steps]
-  if s.softcap:
-    logits = jnp.tanh(logits / s.softcap) * s.softcap
   seen = mask
   if s.window is not None:  # step-0 key j at position p_j, this query at p_i (+ the step): p_i - p_j < window
     seen = seen & (positions[:, :, None] - (positions - len(diag))[:, None, :] < s.window)
-  seen = jnp.concatenate([seen, jnp.ones((b, t, len(diag)), bool)], axis=-1)
-  logits = jnp.where(seen[:, None, None], logits, MASK_VALUE)
-  probs = jax.nn.softmax(logits, axis=-1)
-  probs = jnp.where(jnp.any(seen, axis=-1)[:, None, None, :, None], probs, 0.0).astype(v.dtype)
-  out = jnp.einsum('bkgts,bskh->btkgh', probs[..., :t], v0)
-  for j, (_, vj) in enumerate(diag):
-    out = out + jnp.einsum('bkgt,btkh->btkgh', probs[..., t + j], vj)
-  return attn.output(out.reshape(b, t, n, h), gate), (k, v)
+  out = dense_attention(q, k0, v0, seen, scale=s.scale, softcap=s.softcap, row_kv=tuple(diag))
+  return attn.output(out, gate), (k, v)
 
 
 def _target_chunk(target_logits, th: jax.Array, draft_ids: jax.Array | None, best: jax.Array | None = None):
