@@ -408,6 +408,10 @@ EXTENDED = {
     # CI: the head-k2 case with its mutants; default n-gram bounds and fallback.
     'test_ngram_first.py::test_sampled_keeps_the_target_law': ['head-k1'],
     'test_ngram_first.py::test_greedy_equals_autoregressive': ['eagle3-min2', 'eagle3-fallback2'],
+    # CI: n-gram with a draft model behind it rolls the draft model's cache back too.
+    'test_speculative.py::test_rollback_equals_recompute': ['draft-model'],
+    # CI: the tree case (the head's cache after a rejected tree) of a fresh prefill.
+    'test_eagle3.py::test_later_rounds_draft_as_a_fresh_prefill': ['chain'],
     # CI: chains and the 2x6 dynamic tree greedy; the static tree sampled.
     'test_eagle3.py::test_greedy_equals_autoregressive': ['tree-4x16', 'static'],
     # The Pallas kernel in interpret mode: a representative subset in CI, the grid here and compiled on a GPU
