@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from specjax.config_files import load_config_file
 from specjax.sweep import config as sweep_config
 from specjax.train import config as train_config
 
@@ -17,7 +18,7 @@ def test_configs_found():
 
 @pytest.mark.parametrize('path', CONFIGS, ids=os.path.basename)
 def test_config_resolves(path):
-  config = sweep_config.load_config_file(path)
+  config = load_config_file(path)
   if os.path.basename(path).startswith('train_'):
     cfg = train_config.resolve(config)
     assert cfg.values['target.model']

@@ -30,7 +30,7 @@ import specjax
 from specjax.bench import load_prompts
 from specjax.train import data as data_lib
 from specjax.train.config import resolve
-from specjax.train.loop import _optimizer, agreement, expected_tau, first_state, load_data, make_steps
+from specjax.train.loop import agreement, expected_tau, first_state, load_data, make_steps, optimizer
 from specjax.train.regenerate import regenerate
 from specjax.train.trainers import make_trainer
 
@@ -73,7 +73,7 @@ def main():
   for export in args.exports:
     cfg = resolve(base, [f'drafter.init_from={export!r}', 'drafter.tap_scale=False'])
     trainer = make_trainer(cfg, target, None)
-    tx, _ = _optimizer(cfg)
+    tx, _ = optimizer(cfg)
     _, eval_fn = make_steps(trainer, target.graphdef, tx, replicated)
     params = jax.device_put(first_state(trainer, tx, 0)['params'], replicated)
     sums = {
