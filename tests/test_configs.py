@@ -25,3 +25,17 @@ def test_config_resolves(path):
   else:
     cells = sweep_config.expand(sweep_config.resolve(config))
     assert cells
+
+
+STUDY_PROMPTS = 4  # Spec-Bench prompts per category a study runs at the least
+
+
+@pytest.mark.parametrize(
+    'path', [p for p in CONFIGS if not os.path.basename(p).startswith('train_')], ids=os.path.basename
+)
+def test_spec_bench_studies_use_enough_prompts_per_category(path):
+  fixtures = os.path.join('tests', 'fixtures')
+  for cell in sweep_config.expand(sweep_config.resolve(load_config_file(path))):
+    c = cell.config
+    if c['prompts.path'] is None and fixtures not in c['model']:  # a Spec-Bench study, not a test sweep
+      assert c['prompts.limit'] is None or c['prompts.limit'] >= STUDY_PROMPTS, (cell.label, c['prompts.limit'])
