@@ -510,14 +510,9 @@ def machine_info() -> dict:
 
 
 def versions() -> dict:
-  import importlib.metadata as md
+  from specjax.provenance import package_versions
 
-  out = {}
-  for name in ('specjax', 'jax', 'jaxlib', 'numpy', 'openai', 'fastapi', 'uvicorn', 'xllamacpp'):
-    try:
-      out[name] = md.version(name)
-    except md.PackageNotFoundError:
-      out[name] = None
+  out = package_versions(('openai', 'fastapi', 'uvicorn', 'xllamacpp'))
   try:
     import jax
 
@@ -525,17 +520,6 @@ def versions() -> dict:
   except Exception:  # noqa: BLE001
     out['jax_backend'] = None
   return out
-
-
-def git_info() -> dict:
-  def git(*a):
-    try:
-      return subprocess.run(['git', *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-      return None
-
-  status = git('status', '--porcelain')
-  return {'commit': git('rev-parse', 'HEAD'), 'dirty': bool(status) if status is not None else None}
 
 
 def digest(text: str) -> str:
@@ -784,6 +768,8 @@ def main(argv=None) -> int:
       if gguf is None:
         print(f'{args.model} is not a GGUF file: no llama.cpp arms', file=sys.stderr)
   arms, skipped = build_arms(args, gguf)
+  from specjax.provenance import git_info
+
   report = {
       'benchmark': 'serve_load',
       'command': shlex.join([sys.executable, *sys.argv]),

@@ -36,7 +36,7 @@ import specjax  # pylint: disable=g-import-not-at-top
 from specjax.train import features as features_lib
 from specjax.train.config import resolve
 from specjax.train.data import Packed
-from specjax.train.loop import _optimizer, first_state, make_steps
+from specjax.train.loop import first_state, make_steps, optimizer
 from specjax.train.trainers import make_trainer
 
 
@@ -61,7 +61,7 @@ def time_kind(kind: str, target, mode: str, args) -> dict:
   trainer = make_trainer(cfg, target, rows)
   mesh = Mesh(np.asarray(jax.devices()), ('data',))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))
-  tx, _ = _optimizer(cfg)
+  tx, _ = optimizer(cfg)
   step_fn, _ = make_steps(trainer, target.graphdef, tx, replicated)
   state = jax.device_put(first_state(trainer, tx, 0), replicated)
   tparams = jax.device_put(target.params, replicated)

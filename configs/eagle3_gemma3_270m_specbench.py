@@ -3,7 +3,7 @@
 A chain of K drafts and a tree of K draft nodes both verify K + 1 tokens a step. Cells: depth K in {5, 15}
 crossed with the chain and EAGLE-2 dynamic trees (top-4 expansion) of 5 and 15 draft nodes, so each chain
 has a tree of equal depth and equal budget beside it (K = 5 with 5 nodes, K = 15 with 15), and the other two
-cells trade depth for breadth at a fixed budget. Every category (the first prompt of each, first turn), 64 new
+cells trade depth for breadth at a fixed budget. Every category (the first 4 prompts of each, first turn), 64 new
 tokens, greedy, batch 1; every prompt is also decoded autoregressively, the speedups' baseline, and cells run
 interleaved prompt by prompt. n-gram, DFlash and the 32-node tree are in
 configs/trained_drafters_gemma3_270m_specbench.py. The head is the export of
@@ -24,7 +24,7 @@ def get_config():
   config.model = 'gemma-3-270m'
   config.max_new_tokens = 64
   config.interleave = True
-  config.prompts.limit = 1
+  config.prompts.limit = 4  # prompts per category: a study uses at least 4
   config.grid.policy = {'k': [5, 15]}
   config.grid.drafter = [
       {'kind': 'eagle3', 'draft_model': EXPORT},

@@ -4,7 +4,7 @@ The two heads are configs/train_eagle3_gemma3_270m.py run to the end of a 120-st
 schedule (the target's features of the 956 rows computed once, `train.cache_target`, a second pass reads them).
 Cells at K = 5: n-gram alone (1..3); each head as a chain; the 240-step head as a 5-node tree
 (top-4 expansion) and beside n-gram (`ngram+eagle3`, the head at 1 and at 5 where the lookup finds nothing).
-Every category (the first prompt of each, first turn), 64 new tokens, greedy, batch 1, each prompt also decoded
+Every category (the first 4 prompts of each, first turn), 64 new tokens, greedy, batch 1, each prompt also decoded
 autoregressively, cells interleaved prompt by prompt:
 
   specjax train configs/train_eagle3_gemma3_270m.py --out runs/train_eagle3_gemma3_270m train.steps=120
@@ -25,7 +25,7 @@ def get_config():
   config.model = 'gemma-3-270m'
   config.max_new_tokens = 64
   config.interleave = True
-  config.prompts.limit = 1
+  config.prompts.limit = 4  # prompts per category: a study uses at least 4
   config.grid.policy = {'k': [5]}
   config.grid.drafter = [
       {'kind': 'ngram'},

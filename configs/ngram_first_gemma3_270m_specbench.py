@@ -2,7 +2,7 @@
 
 Cells at depth K = 5: n-gram alone (1..3), the EAGLE-3 head alone as a chain and as a 5-node EAGLE-2 tree (top-4
 expansion, the same verify budget), and `ngram+eagle3` with the lookup's shortest match at 1, 2 and 3 tokens
-(shorter matches look up more steps and leave fewer to the head). Every category (the first prompt of each,
+(shorter matches look up more steps and leave fewer to the head). Every category (the first 4 prompts of each,
 first turn), 64 new tokens, greedy, batch 1; every prompt is also decoded autoregressively, the speedups'
 baseline, and cells run interleaved prompt by prompt. The head is the export of
 configs/train_eagle3_gemma3_270m.py:
@@ -22,7 +22,7 @@ def get_config():
   config.model = 'gemma-3-270m'
   config.max_new_tokens = 64
   config.interleave = True
-  config.prompts.limit = 1
+  config.prompts.limit = 4  # prompts per category: a study uses at least 4
   config.grid.policy = {'k': [5]}
   config.grid.drafter = [
       {'kind': 'ngram'},

@@ -1,6 +1,6 @@
 """Every drafter trained here on Spec-Bench, side by side: EAGLE-3 chain and tree, DFlash, n-gram (Gemma 3 270M).
 
-Every category (the first prompt of each, first turn), 64 new tokens, greedy, batch 1, K = 5 for every drafter:
+Every category (the first 4 prompts of each, first turn), 64 new tokens, greedy, batch 1, K = 5 for every drafter:
 n-gram prompt lookup, the EAGLE-3 chain, an EAGLE-2 dynamic tree of 32 nodes (top-4, depth 5) and the DFlash
 block (block 8: the first 5 of its 7 drafts are verified). Every prompt is also decoded autoregressively, the
 speedups' baseline; cells run interleaved prompt by prompt. The drafters are the exports of
@@ -25,7 +25,7 @@ def get_config():
   config.model = 'gemma-3-270m'
   config.max_new_tokens = 64
   config.interleave = True
-  config.prompts.limit = 1
+  config.prompts.limit = 4  # prompts per category: a study uses at least 4
   config.policy.k = 5
   config.grid.drafter = [
       {'kind': 'ngram'},

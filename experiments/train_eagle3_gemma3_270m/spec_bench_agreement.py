@@ -7,7 +7,7 @@ target given the true tokens before it; expected τ = 1 + Σ_k Π_{i≤k} a_i) o
 two sets of rows:
   - `held-out`: the config's eval records (the target's answers to held-out
     training prompts), which `metrics.jsonl` scores;
-  - Spec-Bench: the first turn of `--per-category` prompts of each category,
+  - Spec-Bench: the first turn of `--per-category` (4) prompts of each category,
     tokenized as the engine does, with the target's greedy continuation of
     `--max-new-tokens` (the text a greedy sweep verifies), per category.
 The sweep measures the served per-position acceptance on the same continuations;
@@ -30,7 +30,7 @@ import specjax
 from specjax.bench import load_prompts
 from specjax.train import data as data_lib
 from specjax.train.config import resolve
-from specjax.train.loop import _optimizer, agreement, expected_tau, first_state, load_data, make_steps
+from specjax.train.loop import agreement, expected_tau, first_state, load_data, make_steps, optimizer
 from specjax.train.regenerate import regenerate
 from specjax.train.trainers import make_trainer
 
@@ -40,7 +40,7 @@ def main():
   parser.add_argument('exports', nargs='+', help='EAGLE-3 export directories (config.json + model.safetensors)')
   parser.add_argument('--config', default='configs/train_eagle3_gemma3_270m.py')
   parser.add_argument('--cache-dir', default='runs/regenerated', help="the config's data.cache_dir")
-  parser.add_argument('--per-category', type=int, default=1)
+  parser.add_argument('--per-category', type=int, default=4, help='Spec-Bench prompts per category (a study uses 4+)')
   parser.add_argument('--max-new-tokens', type=int, default=64)
   args = parser.parse_args()
 
@@ -73,7 +73,7 @@ def main():
   for export in args.exports:
     cfg = resolve(base, [f'drafter.init_from={export!r}', 'drafter.tap_scale=False'])
     trainer = make_trainer(cfg, target, None)
-    tx, _ = _optimizer(cfg)
+    tx, _ = optimizer(cfg)
     _, eval_fn = make_steps(trainer, target.graphdef, tx, replicated)
     params = jax.device_put(first_state(trainer, tx, 0)['params'], replicated)
     sums = {

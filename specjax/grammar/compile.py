@@ -48,6 +48,11 @@ def tokenizer_for(tokenizer, vocab: int, eos: tuple[int, ...]):
 _TOKENIZERS: dict = {}  # (vocabulary fingerprint, embedding size, EOS ids) -> LLTokenizer
 
 
+def clear_tokenizers() -> None:
+  """Empties the cache of llguidance tokenizers (a benchmark times a cold build)."""
+  _TOKENIZERS.clear()
+
+
 def _grammar_text(kind: str, source: str) -> str:
   llg = require_llguidance()
   if kind == 'json_schema':

@@ -1,4 +1,4 @@
-"""What a sweep writes: manifest.json, results.jsonl (append-only, resumable) and summary.md.
+"""What a sweep writes: manifest.json (`specjax.provenance`), results.jsonl (append-only, resumable) and summary.md.
 
 results.jsonl holds one JSON object per line, by `type`:
   request   one request of one cell: tokens, accepted / K / seconds per step, metrics, times
@@ -10,93 +10,14 @@ Request lines of a cell with no `cell` line (an interrupted run) are dropped on 
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import importlib.metadata
 import json
 import os
-import platform
-import subprocess
 
 from specjax.errors import SpecjaxError
+from specjax.provenance import MANIFEST, read_manifest
 
-MANIFEST = 'manifest.json'
 RESULTS = 'results.jsonl'
 SUMMARY = 'summary.md'
-PACKAGES = ('specjax', 'jax', 'jaxlib', 'flax', 'numpy', 'ml_collections', 'tokenizers', 'gguf', 'matplotlib')
-
-
-def now() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
-
-
-def git_info(path: str | None = None) -> dict:
-  """Commit and dirty flag of the repository holding `path` (the specjax package by default)."""
-  path = path or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-  def git(*args):
-    return subprocess.run(['git', '-C', path, *args], capture_output=True, text=True, timeout=10)
-
-  try:
-    head = git('rev-parse', 'HEAD')
-    if head.returncode:
-      return {'commit': None, 'dirty': None}
-    status = git('status', '--porcelain', '--untracked-files=no')
-    return {'commit': head.stdout.strip(), 'dirty': bool(status.stdout.strip())}
-  except (OSError, subprocess.SubprocessError):
-    return {'commit': None, 'dirty': None}
-
-
-def package_versions() -> dict:
-  out = {'python': platform.python_version()}
-  for name in PACKAGES:
-    try:
-      out[name] = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-      out[name] = None
-  return out
-
-
-def device_description() -> dict:
-  import jax
-
-  devices = jax.devices()
-  return {
-      'backend': jax.default_backend(),
-      'devices': [f'{d.platform}:{getattr(d, "device_kind", "")}' for d in devices],
-      'host': platform.platform(),
-      'processor': platform.processor() or platform.machine(),
-      'cpu_count': os.cpu_count(),
-  }
-
-
-def file_sha256(path: str) -> str | None:
-  if not os.path.isfile(path):
-    return None
-  h = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 20), b''):
-      h.update(block)
-  return h.hexdigest()
-
-
-def read_manifest(out_dir: str) -> dict | None:
-  path = os.path.join(out_dir, MANIFEST)
-  if not os.path.isfile(path):
-    return None
-  try:
-    with open(path, encoding='utf-8') as f:
-      return json.load(f)
-  except (json.JSONDecodeError, OSError) as e:
-    raise SpecjaxError(f'{path} is unreadable ({e}); refusing to overwrite it') from None
-
-
-def write_json(path: str, value) -> None:
-  tmp = path + '.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    json.dump(value, f, indent=2, sort_keys=False)
-    f.write('\n')
-  os.replace(tmp, path)
 
 
 def check_out_dir(out_dir: str, config_hash: str, prompts_sha: str | None) -> dict | None:

@@ -17,19 +17,17 @@ that name), `grid.policy.k=[2,4]` sets an axis.
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
-import hashlib
-import importlib.util
 import itertools
-import json
 import os
 from typing import Any, Iterable
 
 import ml_collections
 
+from specjax.config_files import flatten, load_config_file, parse_overrides, unflatten
 from specjax.errors import SpecjaxError
+from specjax.provenance import stable_hash
 
 SECTIONS = ('drafter', 'sampling', 'prompts', 'policy')
 NULLABLE = {'prompts.path': str, 'prompts.limit': int}  # keys that may be None, and their type otherwise
@@ -83,17 +81,6 @@ def base_config() -> ml_collections.ConfigDict:
   )
 
 
-def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    path = f'{prefix}{key}'
-    if isinstance(value, dict):
-      out.update(_flatten(value, path + '.'))
-    else:
-      out[path] = value
-  return out
-
-
 def _to_dict(config) -> dict:
   if isinstance(config, ml_collections.ConfigDict):
     return config.to_dict()
@@ -102,7 +89,7 @@ def _to_dict(config) -> dict:
   raise SpecjaxError(f'a sweep config must be an ml_collections.ConfigDict, got {type(config).__name__}')
 
 
-_SCHEMA = _flatten({k: v for k, v in base_config().to_dict().items() if k != 'grid'})
+_SCHEMA = flatten({k: v for k, v in base_config().to_dict().items() if k != 'grid'})
 _NULLABLE = {**NULLABLE, **_drafter_nullable()}
 
 
@@ -183,21 +170,12 @@ class SweepConfig:
   source: str = ''
 
   def to_dict(self) -> dict:
-    nested = _unflatten(self.base)
+    nested = unflatten(self.base)
     nested['grid'] = {axis: values for axis, values in self.axes.items()}
     return nested
 
   def to_config_dict(self) -> ml_collections.ConfigDict:
-    out = _unflatten(self.base)
-    grid = {}
-    for axis, values in self.axes.items():
-      node = grid
-      *parents, leaf = axis.split('.')
-      for p in parents:
-        node = node.setdefault(p, {})
-      node[leaf] = values
-    out['grid'] = grid
-    return ml_collections.ConfigDict(out)
+    return ml_collections.ConfigDict({**unflatten(self.base), 'grid': unflatten(self.axes)})
 
   @property
   def hash(self) -> str:
@@ -208,64 +186,6 @@ class SweepConfig:
 def changed(flat: dict) -> dict:
   """The entries of a flat config that differ from the schema defaults (new fields keep old hashes)."""
   return {k: v for k, v in flat.items() if k not in _SCHEMA or v != _SCHEMA[k]}
-
-
-def _unflatten(flat: dict) -> dict:
-  out: dict = {}
-  for key, value in flat.items():
-    node = out
-    *parents, leaf = key.split('.')
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return out
-
-
-def stable_hash(value: Any, length: int = 12) -> str:
-  text = json.dumps(value, sort_keys=True, separators=(',', ':'), default=str)
-  return hashlib.sha256(text.encode()).hexdigest()[:length]
-
-
-def load_config_file(path: str) -> ml_collections.ConfigDict:
-  """Imports a config file by path and returns its `get_config()`."""
-  if not os.path.isfile(path):
-    raise SpecjaxError(f'config file {path!r} does not exist')
-  spec = importlib.util.spec_from_file_location(f'specjax_sweep_config_{stable_hash(os.path.abspath(path))}', path)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-  except SpecjaxError:
-    raise
-  except Exception as e:  # a broken config file is the user's mistake: one line naming it
-    raise SpecjaxError(f'config file {path!r} failed to load: {type(e).__name__}: {e}') from None
-  if not hasattr(module, 'get_config'):
-    raise SpecjaxError(f'config file {path!r} defines no get_config()')
-  try:
-    return module.get_config()
-  except SpecjaxError:
-    raise
-  except Exception as e:
-    raise SpecjaxError(f'{path}: get_config() failed: {type(e).__name__}: {e}') from None
-
-
-def parse_overrides(items: Iterable[str] | dict | None) -> dict[str, Any]:
-  """`['policy.k=4', 'prompts.limit=2']` (or a dict) -> {key: value}."""
-  if not items:
-    return {}
-  if isinstance(items, dict):
-    return dict(items)
-  out = {}
-  for item in items:
-    key, sep, text = item.partition('=')
-    key = key.strip()
-    if not sep or not key:
-      raise SpecjaxError(f'override {item!r} is not key=value')
-    try:
-      value = ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-      value = text.strip()
-    out[key] = value
-  return out
 
 
 def resolve(config, overrides: Iterable[str] | dict | None = None) -> SweepConfig:
@@ -281,7 +201,7 @@ def resolve(config, overrides: Iterable[str] | dict | None = None) -> SweepConfi
   user = _to_dict(config)
   grid = user.pop('grid', None) or {}
   base = dict(_SCHEMA)
-  for key, value in _flatten(user).items():
+  for key, value in flatten(user).items():
     if key not in _SCHEMA:
       raise _unknown(key)
     base[key] = _check_value(key, value)

@@ -18,11 +18,12 @@ import time
 from typing import Any
 
 from specjax.bench import Prompt, load_prompts
+from specjax import provenance
 from specjax.datasets import spec_bench_path
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingParams
 from specjax.sweep import analytics, artifacts, plots as plots_lib
-from specjax.sweep.config import Cell, SweepConfig, expand, resolve, stable_hash
+from specjax.sweep.config import Cell, SweepConfig, expand, resolve
 
 
 def _sampling(cell: Cell) -> SamplingParams:
@@ -337,18 +338,18 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   """
   sweep, cells, cell_policies = prepare(config, overrides)
   prompts_path = spec_bench_path(sweep.base['prompts.path'])
-  prompts_sha = artifacts.file_sha256(prompts_path)
+  prompts_sha = provenance.file_sha256(prompts_path)
   manifest = artifacts.check_out_dir(out_dir, sweep.hash, prompts_sha)
   settings = setting_labels(cells)
   bench = _Workbench(cells, cell_policies)
   bench.build(cells)
   os.makedirs(out_dir, exist_ok=True)
-  started = artifacts.now()
+  started = provenance.now()
   run_info = {
       'started': started,
-      'git': artifacts.git_info(),
-      'device': artifacts.device_description(),
-      'versions': artifacts.package_versions(),
+      'git': provenance.git_info(),
+      'device': provenance.device_description(),
+      'versions': provenance.package_versions(),
   }
   if manifest is None:
     manifest = {
@@ -367,7 +368,7 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
     }
   manifest.update({k: run_info[k] for k in ('git', 'device', 'versions')})
   manifest['runs'].append(run_info)
-  artifacts.write_json(os.path.join(out_dir, artifacts.MANIFEST), manifest)
+  provenance.write_json(os.path.join(out_dir, provenance.MANIFEST), manifest)
 
   log = artifacts.ResultsLog(out_dir)
   pending = [c for c in cells if c.id not in log.done_cells]
@@ -421,9 +422,9 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
     bar.close()
     log.close()
 
-  manifest['finished'] = run_info['finished'] = artifacts.now()
+  manifest['finished'] = run_info['finished'] = provenance.now()
   run_info.update({'cells_run': len(pending), 'cells_skipped': len(cells) - len(pending)})
-  artifacts.write_json(os.path.join(out_dir, artifacts.MANIFEST), manifest)
+  provenance.write_json(os.path.join(out_dir, provenance.MANIFEST), manifest)
   records = artifacts.read_results(out_dir)
   for r in records:  # labels of this code, also for cells an earlier run marked
     if r['type'] == 'cell' and r['cell'] in settings:
@@ -476,7 +477,7 @@ def _baseline(bench: _Workbench, log: artifacts.ResultsLog, cell: Cell, batch, s
   """Decodes `batch` autoregressively once per (model, prompts, sampling, budget); returns its id."""
   c = cell.config
   ids = [rid for rid, _ in batch]
-  baseline_id = stable_hash(
+  baseline_id = provenance.stable_hash(
       {
           'model': c['model'],
           'attention_impl': c['attention_impl'],

@@ -1,7 +1,7 @@
 """Training configs: an ml_collections `get_config()` file over one schema, plus `key=value` overrides.
 
-Loading, override parsing and hashing are the sweep's (`specjax.sweep.config`);
-the schema is this file's. A key the schema does not have is refused, naming it.
+Loading and override parsing: `specjax.config_files`; the hash: `specjax.provenance`.
+The schema is this file's. A key the schema does not have is refused, naming it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any, Iterable
 
 import ml_collections
 
+from specjax.config_files import flatten, load_config_file, parse_overrides, unflatten
 from specjax.errors import SpecjaxError
-from specjax.sweep.config import _flatten, _unflatten, load_config_file, parse_overrides, stable_hash
+from specjax.provenance import stable_hash
 
 KINDS = ('mtp', 'eagle3', 'dflash')
 
@@ -93,7 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
   )
 
 
-_SCHEMA = _flatten(base_config().to_dict())
+_SCHEMA = flatten(base_config().to_dict())
 _NULLABLE = {
     'drafter.mask_token_id': int,
     'drafter.init_from': str,
@@ -146,7 +147,7 @@ class TrainConfig:
     return {k[len(prefix) :]: v for k, v in self.values.items() if k.startswith(prefix)}
 
   def to_dict(self) -> dict:
-    return _unflatten(self.values)
+    return unflatten(self.values)
 
   @property
   def hash(self) -> str:
@@ -183,7 +184,7 @@ def resolve(config, overrides: Iterable[str] | dict | None = None) -> TrainConfi
   else:
     raise SpecjaxError(f'a training config must be an ml_collections.ConfigDict, got {type(config).__name__}')
   values = dict(_SCHEMA)
-  for key, value in [*_flatten(config).items(), *parse_overrides(overrides).items()]:
+  for key, value in [*flatten(config).items(), *parse_overrides(overrides).items()]:
     if key not in _SCHEMA:
       raise _unknown(key)
     values[key] = _check_value(key, value)

@@ -132,7 +132,7 @@ _EVAL_NAMES = re.compile(r'spec[-_ ]?bench|human[-_ ]?eval|mt[-_ ]?bench|gsm[-_ 
 def check_not_eval_set(path: str) -> None:
   """Refuses evaluation sets as training data: Spec-Bench (by sha256 or name), HumanEval, MT-bench, GSM8K."""
   from specjax.datasets import SPEC_BENCH_SHA256
-  from specjax.sweep.artifacts import file_sha256
+  from specjax.provenance import file_sha256
 
   assert SPEC_BENCH_SHA256 == _SPEC_BENCH_SHA256
   if _EVAL_NAMES.search(os.path.abspath(path)) or file_sha256(path) == SPEC_BENCH_SHA256:

@@ -48,7 +48,7 @@ from pallas_kernels.paged_attention import MASK_VALUE
 from specjax.errors import SpecjaxError
 from specjax.train.features import from_batch
 from specjax.train.losses import shift, soft_ce, target_features
-from specjax.train.trainers import DrafterTrainer, check_fields, final_norm_weight
+from specjax.train.base import DrafterTrainer, check_fields, final_norm_weight
 
 MASK_TOKENS = ('<|MASK|>', '<mask>', '<|mask|>', '[MASK]')
 

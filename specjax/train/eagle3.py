@@ -33,7 +33,7 @@ from flax import nnx
 from specjax.taps import eagle3_default_taps
 from specjax.train.features import from_batch
 from specjax.train.losses import segment_mask, shift, soft_ce, target_distribution, target_features, ttt_attention
-from specjax.train.trainers import DrafterTrainer, check_fields, final_norm_weight
+from specjax.train.base import DrafterTrainer, check_fields, final_norm_weight
 
 NORM_FLAGS = ('norm_before_residual', 'norm_before_fc', 'fc_norm', 'norm_output')  # drafter.* keys, Eagle3Config fields
 

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import provenance
 from specjax.errors import SpecjaxError
-from specjax.sweep import artifacts
 from specjax.train import data as data_lib
 from specjax.train.config import TrainConfig, resolve
 from specjax.train.trainers import check_config, first_params, make_trainer
@@ -169,7 +169,8 @@ def _metrics_log(out: str, start: int):
   return open(path, 'a', encoding='utf-8')
 
 
-def _optimizer(cfg: TrainConfig):
+def optimizer(cfg: TrainConfig):
+  """(optax transform, lr schedule) of `cfg`: AdamW on a warmup-cosine schedule after global-norm clipping."""
   import optax
 
   t = cfg.section('train')
@@ -225,9 +226,9 @@ def _check_out(out: str, cfg: TrainConfig) -> dict | None:
   """The manifest of an earlier run of this config in `out` (None: a new run); another config's is refused."""
   if os.path.exists(out) and not os.path.isdir(out):
     raise SpecjaxError(f'output path {out!r} exists and is not a directory')
-  old = artifacts.read_manifest(out) if os.path.isdir(out) else None
+  old = provenance.read_manifest(out) if os.path.isdir(out) else None
   if old is None and os.path.isdir(os.path.join(out, CHECKPOINTS)):
-    raise SpecjaxError(f'{out} holds checkpoints without a {artifacts.MANIFEST}; refusing to resume from them')
+    raise SpecjaxError(f'{out} holds checkpoints without a {provenance.MANIFEST}; refusing to resume from them')
   if old and old.get('config_hash') != cfg.hash:
     raise SpecjaxError(
         f'{out} holds a training run of another config (hash {old.get("config_hash")}, this one is {cfg.hash}); '
@@ -237,20 +238,14 @@ def _check_out(out: str, cfg: TrainConfig) -> dict | None:
 
 
 def _manifest(old: dict | None, cfg: TrainConfig, target, train_rows, mesh_size: int, started: str) -> dict:
-  versions = artifacts.package_versions()
-  for name in TRAIN_PACKAGES:
-    try:
-      versions[name] = __import__('importlib.metadata').metadata.version(name)
-    except Exception:  # not installed
-      versions[name] = None
   return {
       'kind': 'train',
       'config': cfg.to_dict(),
       'config_hash': cfg.hash,
       'config_source': cfg.source,
-      **artifacts.git_info(),
-      'versions': versions,
-      'device': artifacts.device_description(),
+      **provenance.git_info(),
+      'versions': provenance.package_versions(TRAIN_PACKAGES),
+      'device': provenance.device_description(),
       'data_parallel': mesh_size,
       'processes': jax.process_count(),
       'seeds': {'train': cfg['train.seed']},
@@ -276,7 +271,7 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
 
   import specjax
 
-  started = artifacts.now()
+  started = provenance.now()
   cfg = resolve(config, overrides)
   deadline = time.monotonic() + 60 * cfg['train.time_limit'] if cfg['train.time_limit'] else None
   old = _check_out(out, cfg)
@@ -314,9 +309,9 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   mesh = Mesh(np.asarray(devices), ('data',))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))
   manifest = _manifest(old, cfg, target, train_rows, len(devices), started)
-  artifacts.write_json(os.path.join(out, artifacts.MANIFEST), manifest)
+  provenance.write_json(os.path.join(out, provenance.MANIFEST), manifest)
 
-  tx, schedule = _optimizer(cfg)
+  tx, schedule = optimizer(cfg)
   state = first_state(trainer, tx, cfg['train.seed'])
   ckpt = _Checkpoints(os.path.join(out, CHECKPOINTS), cfg['train.keep'])
   start = ckpt.latest() or 0
@@ -430,8 +425,8 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   report['plots'] = write_curves(os.path.join(out, METRICS), os.path.join(out, CURVES))
   report['step'] = int(state['step'])
   ended = 'finished' if report['step'] == steps else 'stopped'  # stopped: by train.stop_after / time_limit
-  manifest.update({ended: artifacts.now(), 'steps_done': report['step'], 'tokens_per_s': report['tokens_per_s']})
-  artifacts.write_json(os.path.join(out, artifacts.MANIFEST), manifest)
+  manifest.update({ended: provenance.now(), 'steps_done': report['step'], 'tokens_per_s': report['tokens_per_s']})
+  provenance.write_json(os.path.join(out, provenance.MANIFEST), manifest)
   report['params'] = state['params']
   report['export'] = os.path.join(out, EXPORT)
   return report

@@ -23,7 +23,7 @@ from flax import nnx
 from specjax.errors import SpecjaxError
 from specjax.train.features import from_batch
 from specjax.train.losses import segment_mask, shift, soft_ce, target_features, ttt_attention
-from specjax.train.trainers import DrafterTrainer
+from specjax.train.base import DrafterTrainer
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -18,7 +18,7 @@ import os
 import sys
 
 from specjax.errors import SpecjaxError
-from specjax.sweep.config import stable_hash
+from specjax.provenance import stable_hash
 from specjax.train.data import Example
 
 

@@ -1,17 +1,6 @@
-"""What a drafter family supplies to `specjax train`: the `DrafterTrainer` interface and its registry.
-
-  init(key)                                   -> params (an nnx.State of the drafter's weights)
-  loss(params, target, batch, key)            -> (loss, metrics)      (jitted; target: the merged frozen module;
-                                                                       key: None when evaluating)
-  export(params, path)                        -> writes the family's upstream layout
-  load(path)                                  -> params               (the export read back, for tests)
-
-`metrics` holds at least `agree` and `count`, each [positions]: top-1
-agreements with the target and counted predictions per draft position
-(training-time-test step), summed over the batch; `ce` the summed soft
-cross-entropy per position. A family registers `make(config, target, data)
--> DrafterTrainer` in `TRAINERS` (`data`: the packed training rows, e.g. for
-a draft vocabulary); the loop (`specjax.train.loop`) does the rest.
+"""The drafter families `specjax train` knows: `TRAINERS` maps `drafter.kind` to the family's `make(config, target,
+data) -> DrafterTrainer` (`specjax.train.base`; `data`: the packed training rows, e.g. for a draft vocabulary), and the
+checks a config gets against its target before any data. The loop (`specjax.train.loop`) does the rest.
 """
 
 from __future__ import annotations
@@ -21,72 +10,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.errors import SpecjaxError
+from specjax.train import dflash, eagle3, mtp
+from specjax.train.base import DrafterTrainer
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class DrafterTrainer:
-  kind: str = 'drafter'
-  positions: int = 1  # draft positions the metrics cover
-  taps: tuple[int, ...] = ()  # target layers whose residuals the loss reads
-  start: Any = None  # params read from `drafter.init_from` (None: `init`)
-  tap_scale: Any = None  # [n * D] float32: `fc` is trained on taps / tap_scale (`drafter.tap_scale`), else None
-  hard_targets: float = 0.0  # share of the target's argmax in the loss's target distribution (`train.hard_targets`)
-
-  def init(self, key) -> Any:
-    raise NotImplementedError
-
-  def loss(self, params, target, batch: dict, key) -> tuple[Any, dict]:
-    raise NotImplementedError
-
-  def export(self, params, path: str) -> None:
-    raise NotImplementedError
-
-  def load(self, path: str) -> Any:
-    raise NotImplementedError
-
-  def scale_taps(self, taps: jax.Array) -> jax.Array:  # [..., n * D] the taps side by side
-    return taps if self.tap_scale is None else taps / jnp.asarray(self.tap_scale, taps.dtype)
-
-  def served(self, params) -> Any:
-    """`params` as served, `fc` reading raw taps: (taps / s) @ W = taps @ (W / s), the scale folded into fc's rows."""
-    if self.tap_scale is None:
-      return params
-    scale = np.asarray(self.tap_scale, np.float32)[:, None]  # [n * D, 1]
-    fold = lambda path, w: w / scale if path[0] == jax.tree_util.DictKey('fc') else w
-    return jax.tree.map_with_path(fold, params)
-
-
-def _mtp(config, target, data):
-  from specjax.train.mtp import make
-
-  return make(config, target, data)
-
-
-def _eagle3(config, target, data):
-  try:
-    import specjax.models.eagle3  # noqa: F401
-  except ImportError:
-    raise SpecjaxError('drafter.kind eagle3 needs the EAGLE-3 head module (specjax/models/eagle3.py)') from None
-  from specjax.train.eagle3 import make
-
-  return make(config, target, data)
-
-
-def _dflash(config, target, data):
-  from specjax.train.dflash import make
-
-  return make(config, target, data)
-
-
-TRAINERS: dict[str, Callable[[Any, Any, Any], DrafterTrainer]] = {'mtp': _mtp, 'eagle3': _eagle3, 'dflash': _dflash}
-
-
-def final_norm_weight(model) -> Any:  # a target module -> [D] float32
-  """The target's final-norm weight as a plain `x * w` RMS norm applies it (Gemma's offset folded in)."""
-  return (model.norm.offset + model.norm.scale[...]).astype(jnp.float32)
+TRAINERS: dict[str, Callable[[Any, Any, Any], DrafterTrainer]] = {
+    'mtp': mtp.make,
+    'eagle3': eagle3.make,
+    'dflash': dflash.make,
+}
 
 
 def first_params(trainer: DrafterTrainer, key) -> Any:
@@ -98,14 +31,6 @@ def first_params(trainer: DrafterTrainer, key) -> Any:
   if trainer.start is None:
     return trainer.init(key)
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), trainer.start)
-
-
-def check_fields(where: str, loaded, configured, fields: tuple[str, ...], hint: str) -> None:
-  """One error line naming every field in which a `drafter.init_from` checkpoint differs from the config's drafter."""
-  diff = [f'{f} {getattr(loaded, f)!r} (config: {getattr(configured, f)!r})' for f in fields]
-  diff = [d for d, f in zip(diff, fields) if getattr(loaded, f) != getattr(configured, f)]
-  if diff:
-    raise SpecjaxError(f'drafter.init_from {where} differs from this config: {"; ".join(diff)}; {hint}')
 
 
 def check_taps(config, num_layers: int) -> tuple[int, ...] | None:
@@ -130,9 +55,7 @@ def check_config(config, target) -> None:
   if config['drafter.kind'] == 'eagle3' and not 1 <= draft_vocab <= vocab:
     raise SpecjaxError(f'drafter.draft_vocab_size={draft_vocab} must be in 1..{vocab} (the target vocabulary)')
   if config['drafter.kind'] == 'dflash':
-    from specjax.train.dflash import draft_config
-
-    draft_config(config, target)  # taps below the last layer, a mask token inside the vocabulary
+    dflash.draft_config(config, target)  # taps below the last layer, a mask token inside the vocabulary
 
 
 def make_trainer(config, target, data) -> DrafterTrainer:
