@@ -180,16 +180,16 @@ def test_greedy_equals_autoregressive(damped, reader, options):
     [
         ({}, 1, list(VERIFIER_MUTANTS)),
         ({'tree_parents': '0,0,0,1,1,2'}, 2, ['residual-not-reduced', 'ratio-off-by-one']),
-        ({'tree_topk': 2, 'tree_tokens': 6}, 3, ['residual-not-reduced', 'bonus-from-q']),
+        ({'tree_topk': 2, 'tree_tokens': 6}, 3, ['residual-not-reduced', 'ratio-off-by-one']),
     ],
     ids=['chain', 'static', 'dynamic'],
 )
 def test_sampled_drafts_keep_the_target_law(damped, reader, options, k, mutants):
   """Chains, static-tree and EAGLE-2-tree children drawn from the reader head's q, verified with q: the first three
   tokens have the target's exact law (`conftest.emitted_law_pvalue`), 1000 requests of one prompt (500 for the
-  dynamic tree); the verifier mutants fail it (the bonus after a depth-2 path is token 4, past the test: not that mutant for the static tree;
-  a dynamic tree's leaves end paths at depth 1 and 2). The mutants change only rejection sampling with q: their
-  failing shows the trees were verified with q."""
+  dynamic tree); the verifier mutants fail it (the trees' bonus tokens come after a depth-2 path, token 4, past
+  the test: not that mutant for them). The mutants change only rejection sampling with q: their failing shows
+  that the trees were verified with q."""
   sampling = specjax.SamplingParams(temperature=1.0, seed=5)
   engine = specjax.Engine(damped, page_size=8, drafter=make_drafter('eagle3', damped, draft_model=reader, **options))
   prompt = engine.encode(['The capital of France is'])[0]

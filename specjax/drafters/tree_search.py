@@ -15,8 +15,9 @@ path's cumulative log-probability under the drafter (-inf: no probability).
   how many of a node's children are kept is fixed before they are drawn, from
   their parents alone, so each kept child's law given its earlier siblings is
   q_cond (the verifier's recursive rejection sampling stays exact). Level by
-  level: the `tokens` nodes are spread evenly over the levels (a level's
-  unused share moves down); a candidate's key is its parent's score plus the
+  level: the `tokens` nodes are shared out over the levels in proportion to
+  K, K - 1, .., 1 (deeper nodes are reached less often; a level's unused
+  share moves down); a candidate's key is its parent's score plus the
   r-th largest log q of the parent for child rank r, and a level keeps its
   best keys, a prefix of each parent's draws. The frontier is the `topk` best
   kept nodes by their own score: a node's own draw may decide whether it is
@@ -247,7 +248,7 @@ def grow(
   def budget(score, parent_score, log_q, d):  # level d's scores [B, F, width], its kept ones' only
     nonlocal remaining
     key = parent_score[..., None] + jax.lax.top_k(log_q, width)[0]  # child rank r: its parent's r-th best
-    keep = keep_best(key.reshape(b, -1), -(-remaining // (depth - d + 1)))
+    keep = keep_best(key.reshape(b, -1), -(-2 * remaining // (depth - d + 2)))  # shares as depth - d + 1 .. 1
     remaining = remaining - keep.sum(1)
     return jnp.where(keep, score.reshape(b, -1), -jnp.inf)
 
