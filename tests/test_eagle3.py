@@ -180,26 +180,32 @@ def test_greedy_equals_autoregressive(damped, reader, options):
     [
         ({}, 1, list(VERIFIER_MUTANTS)),
         ({'tree_parents': '0,0,0,1,1,2'}, 2, ['residual-not-reduced', 'ratio-off-by-one']),
+        ({'tree_topk': 2, 'tree_tokens': 6}, 3, ['residual-not-reduced', 'ratio-off-by-one']),
     ],
-    ids=['chain', 'static'],
+    ids=['chain', 'static', 'dynamic'],
 )
 def test_sampled_drafts_keep_the_target_law(damped, reader, options, k, mutants):
-  """Chains and static-tree children drawn from the reader head's q, verified with q: the first three tokens have
-  the target's exact law (`conftest.emitted_law_pvalue`), 1000 requests of one prompt; the verifier mutants fail
-  it (the bonus after a depth-2 path is token 4, past the test: not that mutant for the tree)."""
+  """Chains, static-tree and EAGLE-2-tree children drawn from the reader head's q, verified with q: the first three
+  tokens have the target's exact law (`conftest.emitted_law_pvalue`), 1000 requests of one prompt (500 for the
+  dynamic tree); the verifier mutants fail it (the trees' bonus tokens come after a depth-2 path, token 4, past
+  the test: not that mutant for them). The mutants change only rejection sampling with q: their failing shows
+  that the trees were verified with q."""
   sampling = specjax.SamplingParams(temperature=1.0, seed=5)
   engine = specjax.Engine(damped, page_size=8, drafter=make_drafter('eagle3', damped, draft_model=reader, **options))
   prompt = engine.encode(['The capital of France is'])[0]
-  results, _ = assert_target_law(engine, damped, prompt, sampling, n=1000, k=k, mutants=mutants)
-  assert sum(r.spec.accepted for r in results) > 500 * k  # chain ~800 of ~1450 drafts, tree ~1450 of ~2500 nodes
+  n = 500 if options.get('tree_tokens') else 1000
+  results, _ = assert_target_law(engine, damped, prompt, sampling, n=n, k=k, mutants=mutants)
+  # chain ~800 of ~1450 drafts, static tree ~1450 of ~2500 nodes, dynamic ~730 of ~2000 (at most 2 per request)
+  assert sum(r.spec.accepted for r in results) > n * min(k, 2) // 2
 
 
-def test_cli_tree_run_reports_tree_nodes(capsys):
+@pytest.mark.parametrize('flags', [[], ['--temperature', '0.8', '--tree-verify', 'one-hot']], ids=['greedy', 'one-hot'])
+def test_cli_tree_run_reports_tree_nodes(capsys, flags):
   from specjax.cli import main
 
   code = main(
       ['run', '-m', TARGET, '--drafter', 'eagle3', '--draft-model', HEAD, '--n-predict', '3', '--tree-topk', '2']
-      + ['--tree-tokens', '6', '--prompt', 'Hello', '--max-new-tokens', '8', '--page-size', '4', '--json']
+      + ['--tree-tokens', '6', '--prompt', 'Hello', '--max-new-tokens', '8', '--page-size', '4', '--json', *flags]
   )
   out = capsys.readouterr().out
   assert code == 0
@@ -215,6 +221,11 @@ def test_cli_tree_run_reports_tree_nodes(capsys):
         (['--drafter', 'eagle3', '--draft-model', HEAD, '--tree-tokens', '-1'], '--tree-tokens must be >= 0'),
         (['--drafter', 'eagle3', '--draft-model', HEAD, '--tree-parents', '0,2'], 'tree'),
         (['--drafter', 'eagle3', '--draft-model', HEAD, '--tree-parents', '0,x'], 'comma-separated integers'),
+        (
+            ['--drafter', 'eagle3', '--draft-model', HEAD, '--tree-tokens', '4', '--tree-verify', 'x'],
+            'one of q, one-hot',
+        ),
+        (['--drafter', 'eagle3', '--draft-model', HEAD, '--tree-verify', 'one-hot'], 'give --tree-tokens'),
         (['--drafter', 'eagle3', '--draft-model', '/nonexistent/head'], '/nonexistent/head'),
         (['--drafter', 'eagle3', '--draft-model', f'{FIXTURES}/tiny_gemma3'], 'error'),
     ],

@@ -8,7 +8,9 @@ compacted and verified. The first emitted token and the first two (the second
 completed by a plain draw when only one was emitted) are tested against the
 target's exact law by a chi-square goodness-of-fit test at significance ALPHA
 (fixed seeds make the outcome deterministic). Broken verifiers, and pruning
-that looks at the drafts' own scores, must fail the same test.
+that looks at the drafts' own scores, must fail the same test. Sampled dynamic
+trees grown by `tree_search.grow` (depth 3, the first three tokens) are tested
+so too, with mutants of the builder and of the verifier.
 """
 
 import functools
@@ -263,10 +265,11 @@ DEPTHS = np.array([0, 1, 1, 1, 2, 2, 2, 2, 2, 2])
 log_probs = jax.jit(lambda logits, sampling: jnp.log(sampling_lib.probs(logits, sampling)), static_argnums=1)
 
 
-def logit_tables(seed, draft_noise):
-  """Target and draft logits by context: [V] at the root, [V, V] after x1, [V, V, V] after (x1, x2)."""
+def logit_tables(seed, draft_noise, depth=2):
+  """Target and draft logits by context: [V] at the root, [V, V] after x1, [V, V, V] after (x1, x2), .. to
+  `depth` tokens."""
   rng = np.random.default_rng(seed)
-  target = [rng.normal(size=(V,) * (d + 1)).astype(np.float32) * 1.5 for d in range(3)]
+  target = [rng.normal(size=(V,) * (d + 1)).astype(np.float32) * 1.5 for d in range(depth + 1)]
   draft = [(t + rng.normal(size=t.shape) * draft_noise).astype(np.float32) for t in target]
   return target, draft
 
@@ -426,3 +429,129 @@ def test_deterministic_trees_give_the_autoregressive_tokens(target):
   child_tokens[:, 0] = -1
   assert not (child_tokens == np.take_along_axis(want, n[:, None], axis=1)).any()
   assert (n == 2).mean() > 0.05 and (n == 0).mean() > 0.01
+
+
+# --- sampled dynamic trees: drawn by `tree_search.grow`, verified with q --------------------------------------
+
+GROW_DEPTH, GROW_WIDTH, GROW_TOKENS = 3, 3, 10  # levels keep (3, 5, 2) nodes: 3 of the 5 at depth 2 expanded
+# Mutants of `specjax/drafters/tree_search.py` (each site must occur once): the kept children chosen by their own
+# draws (EAGLE-2's rerank within a level's share), and q_cond with the earlier siblings removed, not renormalised.
+GROW_MUTANTS = {
+    'kept-by-own-draw': ('key = parent_score[..., None] + jax.lax.top_k(log_q, width)[0]', 'key = score'),
+    'q-not-renormalised': ('return q / jnp.where(total > 0, total, 1.0)', 'return q'),
+}
+
+
+def mutant_grow(mutant):
+  """`tree_search.grow` with `GROW_MUTANTS[mutant]`'s edit (of it or of `node_distributions`, which it calls)."""
+  import inspect
+
+  from specjax.drafters import tree_search
+
+  old, new = GROW_MUTANTS[mutant]
+  source = inspect.getsource(tree_search.grow) + inspect.getsource(tree_search.node_distributions)
+  assert source.count(old) == 1, f'{mutant}: {old!r} is not in tree_search.grow / node_distributions once'
+  namespace = dict(vars(tree_search))
+  exec(compile(source.replace(old, new), f'<tree_search.py, mutant {mutant}>', 'exec'), namespace)
+  return namespace['grow']
+
+
+@functools.partial(jax.jit, static_argnames=('grow', 'draft'))
+def grow_trees(q_tables, seed, seq_ids, grow, draft):
+  """Each trial's sampled dynamic tree over the draft tables (q after `draft`'s transform): the tree, its q
+  [T, N, V] and each node's path of tokens [T, N, depth] (0 past its depth)."""
+  t = seq_ids.shape[0]
+  paths = []  # per expanded level: the path of each of its candidates [T, C, d]
+
+  def law(front):  # [T, F, d] paths -> (log q, q) [T, F, V] of the token after each
+    logits = q_tables[front.shape[-1]][tuple(front[..., i] for i in range(front.shape[-1]))]
+    probs = sampling_lib.probs(jnp.broadcast_to(logits, front.shape[:-1] + (V,)), draft)
+    return jnp.log(probs), probs
+
+  def expand(level, top):
+    prefix = jnp.take_along_axis(paths[-1], level.parent[..., None], axis=1) if paths else level.ids[..., None][..., :0]
+    paths.append(jnp.concatenate([prefix, level.ids[..., None]], axis=-1))
+    return law(jnp.take_along_axis(paths[-1], top[..., None], axis=1))
+
+  level_keys = lambda depth: sampling_lib.row_keys(seed, seq_ids, POSITION + depth, sampling_lib.STREAM_TREE)
+  tree, q = grow(
+      law(jnp.zeros((t, 1, 0), jnp.int32)), expand, level_keys, GROW_DEPTH, GROW_WIDTH, GROW_TOKENS, None, True
+  )
+  parents = jnp.pad(tree.parents, ((0, 0), (1, 0)))  # block indices: node 0 the root
+  on_path = trees.ancestor_mask(parents)[:, 1:, 1:]  # [T, N, N]
+  depths = trees.node_depths(parents)[:, 1:]
+  tokens = jnp.where(on_path, tree.ids[:, None, :], 0)  # each node's ancestors' tokens, in BFS (= depth) order
+  order = jnp.argsort(~on_path, axis=-1, stable=True)[..., :GROW_DEPTH]
+  return tree, q, jnp.take_along_axis(tokens, order, axis=-1), depths
+
+
+def run_grown_trees(target, draft, mutant=None, seed=0):
+  """Grows TRIALS sampled dynamic trees, verifies them with q; returns (result, the target's tables)."""
+  p_tables, q_tables = logit_tables(seed, 1.0, GROW_DEPTH)
+  target = SamplingParams(**{**target.__dict__, 'seed': 1 + seed})
+  seq_ids = jnp.arange(TRIALS)
+  from specjax.drafters import tree_search
+
+  grow = mutant_grow(mutant) if mutant in GROW_MUTANTS else tree_search.grow
+  tree, q, paths, depths = grow_trees(tuple(map(jnp.asarray, q_tables[:GROW_DEPTH])), target.seed, seq_ids, grow, draft)
+  paths, depths = np.asarray(paths), np.asarray(depths)
+  logits = np.select(
+      [depths[..., None] == d for d in (1, 2, 3)],
+      [p_tables[d][tuple(paths[..., i] for i in range(d))] for d in (1, 2, 3)],
+  )  # [T, N, V] the target's logits after each node
+  logits = np.concatenate([np.broadcast_to(p_tables[0], (TRIALS, 1, V)), logits], axis=1)
+  verify = functools.partial(verify_lib.verify_tree, sampling=target, max_depth=GROW_DEPTH)
+  n, _, out = jax.jit(verify)(  # a fresh trace: monkeypatches take effect
+      logits,
+      jnp.pad(tree.ids, ((0, 0), (1, 0))),
+      jnp.pad(tree.parents, ((0, 0), (1, 0))),
+      tree.num_nodes + 1,
+      jnp.pad(q, ((0, 0), (1, 0), (0, 0))),
+      seq_ids=seq_ids,
+      positions=jnp.full(TRIALS, POSITION),
+  )
+  n, out = np.asarray(n), np.asarray(out)
+  # Tokens past the emitted ones: the next steps' plain draws from the target given the tokens before.
+  rng = np.random.default_rng(7)
+  x = out[:, :GROW_DEPTH].copy()
+  for d in range(1, GROW_DEPTH):
+    p = np.exp(np.asarray(log_probs(jnp.asarray(p_tables[d][tuple(x[:, i] for i in range(d))]), target), np.float64))
+    cdf = np.cumsum(p, axis=-1)
+    x[:, d] = np.where(n >= d, x[:, d], np.sum(rng.random((TRIALS, 1)) * cdf[:, -1:] >= cdf, axis=-1))
+  law = 1.0
+  for d in range(GROW_DEPTH):
+    p = np.exp(np.asarray(log_probs(jnp.asarray(p_tables[d]), target), np.float64))
+    law = law[..., None] * p if d else p  # [V] * d: p(x1) p(x2 | x1) ..
+  depths = np.where(np.arange(GROW_TOKENS) < np.asarray(tree.num_nodes)[:, None], depths, 0)  # padding: 0
+  return dict(n=n, x=x, depths=depths), chi2_pvalue(np.ravel_multi_index(tuple(x.T), (V,) * GROW_DEPTH), law.ravel())
+
+
+GROW_SETTINGS = {
+    'plain': (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)),
+    # q of 2 tokens: a node keeps at most 2 children, the unused share moves to the next level.
+    'q-top-2': (SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_k=2)),
+}
+
+
+@pytest.mark.parametrize('setting', list(GROW_SETTINGS))
+def test_sampled_dynamic_trees_emit_the_target_law(setting):
+  """The first three tokens of `tree_search.grow`'s sampled dynamic trees, verified with q, have the target's law."""
+  target, draft = GROW_SETTINGS[setting]
+  result, pvalue = run_grown_trees(target, draft)
+  per_level = [(result['depths'] == d).sum(-1) for d in (1, 2, 3)]
+  # Shares as 3, 2, 1: ceil(2 * 10 / 4) at depth 1 (3 candidates, 2 when q has 2 tokens), ceil(2 * rest / 3) at
+  # depth 2 (4 candidates when q has 2 tokens), the rest at depth 3.
+  want = (3, 5, 2) if setting == 'plain' else (2, 4, 4)
+  assert all((count == n).all() for count, n in zip(per_level, want))
+  assert (result['n'] >= 1).mean() > 0.3 and (result['n'] == 3).mean() > 0.03  # drafts do get accepted
+  assert pvalue > ALPHA, pvalue
+
+
+@pytest.mark.parametrize('mutant', [*GROW_MUTANTS, 'residual-not-reduced'])
+def test_chi2_rejects_broken_sampled_dynamic_trees(mutant, monkeypatch):
+  """Kept children chosen by their own draws, q_cond not renormalised, a residual not reduced by q: p < 1e-6."""
+  if mutant == 'residual-not-reduced':
+    monkeypatch.setattr(verify_lib, 'rejection_residual', lambda residual, mass, q: residual)
+  target, draft = GROW_SETTINGS['plain']
+  _, pvalue = run_grown_trees(target, draft, mutant)
+  assert pvalue < 1e-6, pvalue

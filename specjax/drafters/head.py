@@ -18,8 +18,11 @@ as the next feature with the token just drafted:
   - EAGLE-2 dynamic trees (`tree_topk`, `tree_tokens`): the frontier is the
     `tree_topk` best nodes of a level (cumulative log-probability), each gets
     its `tree_topk` most probable children, and the best `tree_tokens` nodes
-    of all levels are kept with their ancestry. The children are
-    deterministic, so sampled steps verify by sample-and-match (q = None).
+    of all levels are kept with their ancestry. Sampled steps draw the
+    children without replacement from q instead, keep per level as many of
+    each node's draws as its parent's scores allot (`tree_search.grow`), and
+    verify with q; `tree_verify='one-hot'` keeps the deterministic top
+    children there and verifies by sample-and-match (q = None).
   - Static trees (`tree_parents`): when sampling, children are drawn without
     replacement from q and every node of the shape is kept, so the verifier
     runs recursive rejection sampling with each node's q. (Keeping sampled
@@ -66,6 +69,7 @@ class HeadDrafter(Drafter):
   tree_tokens: int = 0  # nodes per tree step (0: chains)
   tree_topk: int = 0  # children per expanded node of a dynamic tree
   tree_parents: tuple[int, ...] = ()  # a static tree: the parent of node i + 1 (0: the root)
+  tree_verify: str = 'q'  # sampled dynamic trees: 'q' (drawn from q, verified with it) or 'one-hot' (top children)
   provides_q: bool = True
   prefix_key_lag = 1  # the head's entry at a position pairs its feature with the next token
 
@@ -199,44 +203,30 @@ class HeadDrafter(Drafter):
 
     Dynamic (EAGLE-2) by default; the fixed shape of `tree_parents` when given.
     """
-    b = h_root.shape[0]
     static = tree_search.StaticShape.build(np.asarray(self.tree_parents), k) if self.tree_parents else None
     width = static.children if static else self.tree_topk  # children drawn per expanded node
-    # Sampled children verified with q need a kept set that never looks at their values: static shapes
-    # do; EAGLE-2's re-ranking does not, so dynamic trees take the top children and verify by matching.
-    sampled = static is not None and not sampling.is_greedy
-
-    def children(out, depth):  # out [B, F, D] -> the children of F nodes, at `depth`
-      log_q, probs = self._log_q(params, target, out, sampling)  # [B, F, Vd]
-      keys = sampling_lib.row_keys(sampling.seed, ctx.seq_ids, ctx.lengths + depth, STREAM_TREE)  # [B]
-      keys = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(out.shape[1])))(keys)
-      ids, _, log_q_child, valid = trees.draw_children(log_q, width, keys, not sampled)  # [B, F, width]
-      return ids, jnp.where(valid, log_q_child, -jnp.inf), probs
-
-    ids, score, probs = children(h_root[:, None], 1)
-    levels = [tree_search.Level(ids[:, 0], score[:, 0], jnp.zeros((b, width), jnp.int32))]
-    dists = [probs]  # per level: the distributions its nodes were drawn from, one row per expanded node
+    # Sampled steps draw children from q and verify with q (`tree_search.grow` keeps that exact), except for
+    # dynamic trees with tree_verify 'one-hot': their top children are deterministic, verified by matching.
+    sampled = not sampling.is_greedy and (static is not None or self.tree_verify == 'q')
     fed = tree_search.Fed()  # the frontier nodes of every level so far, fed again as one block
-    out = h_root[:, None]
-    for depth in range(1, 1 + (len(static.frontiers) if static else k - 1)):  # expand level `depth`'s frontier
-      level = levels[-1]
-      if static:
-        top = jnp.broadcast_to(jnp.asarray(static.frontiers[depth - 1]), (b, len(static.frontiers[depth - 1])))
-      else:
-        top = jnp.argsort(-level.score, axis=1, stable=True)[:, :width]  # [B, F] indices into the level
-      fed.add(level, top, out, width)
-      out = self._feed_tree(params, target, fed, head_cache, ctx)  # [B, F, D]
-      ids, child_score, probs = children(out, depth + 1)
-      score = jnp.take_along_axis(level.score, top, axis=1)[..., None] + child_score  # [B, F, width]
-      parent = jnp.broadcast_to(top[..., None], score.shape)
-      levels.append(tree_search.Level(ids.reshape(b, -1), score.reshape(b, -1), parent.reshape(b, -1)))
-      dists.append(probs)
-    if static:
-      tree = tree_search.select(levels, len(static.chosen), static.chosen)
-    else:
-      tree = tree_search.select(levels, min(self.tree_tokens, tree_search.num_candidates(k, width)))
-    q = self.place(tree_search.node_distributions(tree, levels, dists, width)) if sampled else None
-    return self.to_target(tree.ids), tree.parents, tree.num_nodes, q
+    outs = [h_root[:, None]]  # the last expanded level's outputs [B, F, D]
+
+    def expand(level, top):
+      fed.add(level, top, outs[-1], width)
+      outs.append(self._feed_tree(params, target, fed, head_cache, ctx))
+      return self._log_q(params, target, outs[-1], sampling)
+
+    tree, q = tree_search.grow(
+        self._log_q(params, target, outs[0], sampling),
+        expand,
+        lambda depth: sampling_lib.row_keys(sampling.seed, ctx.seq_ids, ctx.lengths + depth, STREAM_TREE),
+        k,
+        width,
+        self.tree_tokens,
+        static,
+        sampled,
+    )
+    return self.to_target(tree.ids), tree.parents, tree.num_nodes, None if q is None else self.place(q)
 
   def _feed_tree(self, params, target, fed, head_cache, ctx):
     """Runs every fed node (tree mask, scratch slots past the cache); the newest level's outputs [B, topk, D]."""
@@ -252,6 +242,9 @@ class HeadDrafter(Drafter):
     pad = state.pending.shape[1] - feats.shape[1]
     pending = jnp.pad(feats, ((0, 0), (0, pad), (0, 0)))
     return HeadState(state.cache, pending, jnp.where(n_emitted > 0, n_emitted, state.num_pending).astype(jnp.int32))
+
+
+TREE_VERIFY = ('q', 'one-hot')  # how sampled requests verify an EAGLE-2 tree
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -275,6 +268,14 @@ class TreeOptions:
       help='eagle3 / mtp: a static draft tree, the parent of each node as a comma-separated list (0: the root, '
       'node i is i); nodes deeper than --n-predict are dropped',
   )
+  tree_verify: str = option(
+      'q',
+      '--tree-verify',
+      type=str,
+      help='eagle3 / mtp: how sampled requests draft and verify an EAGLE-2 tree: q (children drawn without '
+      'replacement from q, kept by a per-level budget, verified with q; the default) or one-hot (the top children, '
+      'as greedy, verified by sample-and-match)',
+  )
 
   def validate(self) -> None:
     if self.tree_parents is not None and (self.tree_tokens or self.tree_topk is not None):
@@ -286,6 +287,10 @@ class TreeOptions:
       raise SpecjaxError('--tree-topk shapes a draft tree: give --tree-tokens too')
     if self.tree_topk is not None and self.tree_topk < 1:
       raise SpecjaxError(f'--tree-topk must be at least 1, got {self.tree_topk}')
+    if self.tree_verify not in TREE_VERIFY:
+      raise SpecjaxError(f'--tree-verify must be one of {", ".join(TREE_VERIFY)}, got {self.tree_verify!r}')
+    if self.tree_verify != 'q' and not self.tree_tokens:
+      raise SpecjaxError('--tree-verify one-hot applies to EAGLE-2 trees: give --tree-tokens (static trees use q)')
 
   def parents(self) -> tuple[int, ...]:
     """The static tree's parent list (node i + 1's parent; 0: the root), or ()."""
@@ -307,12 +312,18 @@ class TreeOptions:
     """`HeadDrafter` fields for these settings."""
     parents = self.parents()
     topk = (self.tree_topk or 4) if self.tree_tokens else 0
-    return {'tree_topk': topk, 'tree_tokens': len(parents) or self.tree_tokens, 'tree_parents': parents}
+    return {
+        'tree_topk': topk,
+        'tree_tokens': len(parents) or self.tree_tokens,
+        'tree_parents': parents,
+        'tree_verify': self.tree_verify,
+    }
 
   def tree_label(self, name: str) -> str:
     if self.tree_parents is not None:
       return f'{name}-tree(static {len(self.parents())})'
-    return f'{name}-tree({self.tree_shape()["tree_topk"]}x{self.tree_tokens})' if self.tree_tokens else name
+    one_hot = ', one-hot' if self.tree_verify == 'one-hot' else ''
+    return f'{name}-tree({self.tree_shape()["tree_topk"]}x{self.tree_tokens}{one_hot})' if self.tree_tokens else name
 
 
 def check_tree_target(target, options: TreeOptions) -> None:

@@ -10,6 +10,18 @@ path's cumulative log-probability under the drafter (-inf: no probability).
   levels. A parent scores at least as well as its children and comes first on
   ties, so ancestry is kept.
 - Static trees (a parent list, `StaticShape`): fixed frontiers and kept nodes.
+- Sampled dynamic trees verified with q (`grow(..., sampled=True)` without a
+  static shape): children are drawn without replacement (Gumbel-top-k), and
+  how many of a node's children are kept is fixed before they are drawn, from
+  their parents alone, so each kept child's law given its earlier siblings is
+  q_cond (the verifier's recursive rejection sampling stays exact). Level by
+  level: the `tokens` nodes are shared out over the levels in proportion to
+  K, K - 1, .., 1 (deeper nodes are reached less often; a level's unused
+  share moves down); a candidate's key is its parent's score plus the
+  r-th largest log q of the parent for child rank r, and a level keeps its
+  best keys, a prefix of each parent's draws. The frontier is the `topk` best
+  kept nodes by their own score: a node's own draw may decide whether it is
+  expanded, never whether it is kept.
 
 Nodes are returned in BFS order with each node's children in draw order
 (what `verify.verify_tree` expects); candidates with no probability come last
@@ -18,6 +30,7 @@ and are not counted as nodes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 
 import jax
@@ -193,3 +206,70 @@ def node_distributions(tree: Tree, levels: list[Level], dists: list[jax.Array], 
     q = q.at[jnp.arange(b)[:, None], jnp.arange(n)[None, :], earlier].multiply(keep)
   total = jnp.sum(q, axis=-1, keepdims=True)
   return q / jnp.where(total > 0, total, 1.0)
+
+
+def keep_best(key: jax.Array, count: jax.Array) -> jax.Array:  # [B, C], [B] -> [B, C] bool
+  """The `count` candidates of the largest keys (the lower index first on ties), none of key -inf."""
+  rank = jnp.argsort(jnp.argsort(-key, axis=1, stable=True), axis=1)
+  return (rank < count[:, None]) & (key > -jnp.inf)
+
+
+def grow(
+    root: tuple[jax.Array, jax.Array | None],  # the root's (log q [B, 1, Vd], probabilities [B, 1, Vd] | None)
+    expand: Callable,  # (level, top [B, F]) -> (log q, probabilities | None) [B, F, Vd] of the frontier `top`
+    level_keys: Callable,  # depth -> [B] typed keys of the children drawn at that depth
+    depth: int,
+    width: int,
+    tokens: int,
+    static: StaticShape | None = None,
+    sampled: bool = False,
+) -> tuple[Tree, jax.Array | None]:
+  """A tree of `depth` levels, `width` children drawn per expanded node: (tree, q [B, N, Vd] | None).
+
+  `log q` scores and draws children (the sampling transform's when `sampled`,
+  the raw distribution's otherwise); greedy children are its top ones, sampled
+  ones its Gumbel-top-`width` (child j of frontier node f with `level_keys`
+  folded with f). Dynamic trees keep `tokens` nodes (EAGLE-2's, or budgeted
+  by level when `sampled`: the module docstring); static ones `static`'s.
+  q: the law each kept node was drawn from given its earlier siblings (only
+  when `sampled`, for `verify.verify_tree`).
+  """
+  log_q, probs = root
+  b = log_q.shape[0]
+  budgeted = sampled and static is None
+  total = len(static.chosen) if static else min(tokens, num_candidates(depth, width))
+  remaining = jnp.full((b,), total, jnp.int32)
+
+  def children(log_q, d):  # [B, F, Vd] -> ids, scores [B, F, width] of the children drawn at depth d
+    keys = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(log_q.shape[1])))
+    ids, _, log_q_child, valid = trees.draw_children(log_q, width, keys(level_keys(d)), not sampled)
+    return ids, jnp.where(valid, log_q_child, -jnp.inf)
+
+  def budget(score, parent_score, log_q, d):  # level d's scores [B, F, width], its kept ones' only
+    nonlocal remaining
+    key = parent_score[..., None] + jax.lax.top_k(log_q, width)[0]  # child rank r: its parent's r-th best
+    keep = keep_best(key.reshape(b, -1), -(-2 * remaining // (depth - d + 2)))  # shares as depth - d + 1 .. 1
+    remaining = remaining - keep.sum(1)
+    return jnp.where(keep, score.reshape(b, -1), -jnp.inf)
+
+  ids, score = children(log_q, 1)
+  score = budget(score, jnp.zeros((b, 1)), log_q, 1) if budgeted else score[:, 0]
+  levels = [Level(ids[:, 0], score, jnp.zeros((b, width), jnp.int32))]
+  dists = [probs]  # per level: the distributions its nodes were drawn from, one row per expanded node
+  for d in range(2, 2 + (len(static.frontiers) if static else depth - 1)):  # expand level d - 1's frontier
+    level = levels[-1]
+    if static:
+      top = jnp.broadcast_to(jnp.asarray(static.frontiers[d - 2]), (b, len(static.frontiers[d - 2])))
+    else:
+      top = jnp.argsort(-level.score, axis=1, stable=True)[:, :width]  # [B, F] indices into the level
+    log_q, probs = expand(level, top)
+    ids, child_score = children(log_q, d)
+    parent_score = jnp.take_along_axis(level.score, top, axis=1)  # [B, F]
+    score = parent_score[..., None] + child_score  # [B, F, width]
+    if budgeted:
+      score = budget(score, parent_score, log_q, d)
+    parent = jnp.broadcast_to(top[..., None], ids.shape)
+    levels.append(Level(ids.reshape(b, -1), score.reshape(b, -1), parent.reshape(b, -1)))
+    dists.append(probs)
+  tree = select(levels, total, static.chosen if static else None)
+  return tree, node_distributions(tree, levels, dists, width) if sampled else None
