@@ -111,11 +111,10 @@ def test_tree_speculation_equals_autoregressive_every_depth(target, sampling):
 def test_trained_mtp_heads_draft_trees_too(tmp_path):
   """A (random) MTP head for a dense target, exported as `specjax train` does, drafts dynamic and static trees."""
   from specjax.drafters import make_drafter
-  from specjax.loading.mtp_head import save_mtp_head
-  from specjax.models import mtp
+  from specjax.loading.mtp_head import head_for, save_mtp_head
 
   model = specjax.load(TINY)
-  _, params = nnx.split(mtp.for_target(model, rngs=nnx.Rngs(0)))
+  _, params = nnx.split(head_for(model, rngs=nnx.Rngs(0)))
   save_mtp_head(str(tmp_path / 'head'), model, params)
   reference, _ = autoregressive(model, specjax.SamplingParams(), 16)
   for options in ({'tree_topk': 2, 'tree_tokens': 5}, {'tree_parents': '0,0,1,2'}):

@@ -5,9 +5,9 @@
 `h_t` is the target's final-normed hidden state at position t (or the head's
 own output, drafting deeper); the result goes through the target's LM head and
 predicts x_{t+2}. The block has its own paged KV cache; the target's
-embedding and head are shared (passed in, not owned). `for_target` builds one
-for a loaded target of any family: Qwen's layout for the hybrids (gated
-attention), else a block shaped as the target's `draft_layer_spec()`.
+embedding and head are shared (passed in, not owned). `draft_mtp_head` builds
+one shaped as a target's `draft_layer_spec()`; `specjax.loading.mtp_head.head_for`
+picks it or Qwen's own layout (gated attention) for a loaded target.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from flax import nnx
 from specjax.cache.paged import KVCache
 from specjax.models.contract import CacheLayout, DraftLayerSpec, PagedKV, StepInputs
 from specjax.models.layers import Attention, DecoderBlock, GatedMLP, RMSNorm, param
+from specjax.models.transformer import block_params
 from specjax.models.weights import tensor_taker
 
 
@@ -76,26 +77,9 @@ def draft_mtp_head(layer: DraftLayerSpec, *, attention_impl: str = 'auto', dtype
   return MTPHead(d, block, eps=layer.norm_eps, offset=layer.norm_offset, dtype=dtype, rngs=rngs)
 
 
-def for_target(target, *, rngs: nnx.Rngs | None = None, attention_impl: str = 'auto', dtype=None) -> MTPHead:
-  """A freshly initialised MTP head for a loaded target (`specjax.models.base.Model`), in `dtype` (its own)."""
-  from specjax.models import qwen3_5
-
-  dtype = dtype or target.dtype or jnp.float32
-  if isinstance(target.config, qwen3_5.Qwen35Config):
-    return qwen3_5.mtp_head(target.config, attention_impl=attention_impl, dtype=dtype, rngs=rngs)
-  layer = target.module().draft_layer_spec()
-  return draft_mtp_head(layer, attention_impl=attention_impl, dtype=dtype, rngs=rngs)
-
-
-def params_from_hf(target, tensors: dict) -> dict:
-  """HF-named `mtp.*` tensors (Qwen's names: `mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.layers.0.*`, `mtp.norm`) as
-  the pure-dict state of `for_target`'s head for this loaded target."""
-  from specjax.models import qwen3_5
-  from specjax.models.transformer import block_params
-
-  if isinstance(target.config, qwen3_5.Qwen35Config):
-    return qwen3_5.mtp_params_from_hf(target.config, tensors)
-  layer = target.module().draft_layer_spec()
+def draft_params_from_hf(layer: DraftLayerSpec, tensors: dict) -> dict:
+  """HF-named `mtp.*` tensors (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.layers.0.*`, `mtp.norm`) as the pure-dict
+  state of `draft_mtp_head(layer)`."""
   take = tensor_taker(tensors)
   d = layer.hidden_size
   block = block_params(

@@ -1,6 +1,6 @@
 """MTP training for any target: a one-layer head over [norm(embed(x_{t+1})), norm(h_t)] predicts x_{t+2}.
 
-The head (`specjax.models.mtp.MTPHead`, built by `for_target`) shares the
+The head (`specjax.models.mtp.MTPHead`, built by `specjax.loading.mtp_head.head_for`) shares the
 target's embedding and LM head. Step 0 pairs the target's final hidden h_t
 with x_{t+1} at position t and learns the target's distribution at t + 1;
 step i (training-time test, `train.ttt_steps`) pairs step i - 1's output with
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.errors import SpecjaxError
+from specjax.loading.mtp_head import head_for, load_mtp_head, save_mtp_head
 from specjax.train.features import from_batch
 from specjax.train.losses import segment_mask, shift, soft_ce, target_features, ttt_attention
 from specjax.train.base import DrafterTrainer
@@ -35,9 +36,7 @@ class MTPTrainer(DrafterTrainer):
   kind: str = 'mtp'
 
   def init(self, key) -> nnx.State:
-    from specjax.models import mtp
-
-    head = mtp.for_target(self.target, rngs=nnx.Rngs(params=key), dtype=jnp.float32)  # float32 master weights
+    head = head_for(self.target, rngs=nnx.Rngs(params=key), dtype=jnp.float32)  # float32 master weights
     return nnx.split(head)[1]
 
   def unroll(self, params, target, batch: dict, hidden: jax.Array) -> list[jax.Array]:
@@ -70,28 +69,20 @@ class MTPTrainer(DrafterTrainer):
     return total, {k: jnp.stack(v) for k, v in metrics.items()}
 
   def export(self, params, path: str) -> None:
-    from specjax.loading.mtp_head import save_mtp_head
-
     save_mtp_head(path, self.target, params)
 
   def load(self, path: str) -> nnx.State:
-    from specjax.loading.mtp_head import load_mtp_head
-
     return load_mtp_head(path, self.target)[1]
 
 
 def make(config, target, data) -> MTPTrainer:
-  from specjax.models import mtp
-
   if config['drafter.layers'] != 1:
     raise SpecjaxError(f"drafter.kind mtp has one decoder layer (drafter.layers=1), got {config['drafter.layers']}")
   if config['drafter.target_layer_ids']:
     raise SpecjaxError("drafter.kind mtp reads the target's final hidden state; drafter.target_layer_ids is not used")
-  graphdef = nnx.split(nnx.eval_shape(lambda: mtp.for_target(target, dtype=jnp.float32)))[0]
+  graphdef = nnx.split(nnx.eval_shape(lambda: head_for(target, dtype=jnp.float32)))[0]
   start = None
   if config['drafter.init_from']:  # fine-tuning an exported head
-    from specjax.loading.mtp_head import load_mtp_head
-
     start = load_mtp_head(config['drafter.init_from'], target)[1]
   return MTPTrainer(
       positions=config['train.ttt_steps'],
