@@ -356,13 +356,17 @@ def assert_target_law(
 # mechanism: another drafter of the same kind, another sampling setting, another size of one grid). Marked
 # `extended`; `python -m pytest -q -n auto --maxprocesses 4 -m extended` runs them (README "## Tests").
 _INTERPRET = 'test_paged_attention_kernel.py::TestPagedAttentionKernelInterpret::'
-EXTENDED = {
-    # CI trains EAGLE-3 on the bigram target; the same loop on the copy target, MTP and DFlash.
+EXTENDED = {  # test: its cases in the tier (None: the test itself)
+    # CI trains an MTP head on the bigram target (the shared loop, training-time test and soft CE, served); EAGLE-3
+    # (taps, fc, draft vocabulary: test_train_eagle3.py in CI) and DFlash learn here.
     'test_learnability.py::test_trained_drafter_learns_and_serves': [
+        'bigram-eagle3-250-drafter0',
         'copy-eagle3-300-drafter1',
-        'bigram-mtp-150-drafter2',
         'copy-dflash-300-drafter3',
     ],
+    # The training loop's resume and feature cache, shared by every kind: CI runs them for EAGLE-3.
+    'test_train_dflash.py::test_resume_after_kill_matches': None,
+    'test_train_dflash.py::test_cached_target_features_train_the_same': None,
     # CI: n-gram (a chain without state), EAGLE-3 trees (a head and its cache) and MTP (a hybrid target's
     # recurrent state) among 16 concurrent requests.
     'test_scheduler.py::test_greedy_among_16_concurrent_equals_alone': [
@@ -372,12 +376,13 @@ EXTENDED = {
         'dflash',
         'gemma4-assistant',
     ],
-    # CI: EAGLE-3 trees and DFlash blocks over cached prefixes.
+    # CI: n-gram (its drafts are accepted; `test_a_cached_prefix_not_skipped_is_caught` is its power check) and
+    # EAGLE-3 trees (a head's cache over the cached prefix).
     'test_prefix_cache.py::test_outputs_and_acceptance_equal_with_and_without_the_prefix_cache': [
         'draft-model',
-        'ngram',
         'layer-skip',
         'eagle3',
+        'dflash',
         'gemma4-assistant',
     ],
     'test_prefix_cache.py::test_multi_turn_reuses_generated_pages_exactly': ['eagle3', 'dflash'],
@@ -401,6 +406,9 @@ EXTENDED = {
         'layer-skip-top-k-top-p',
     ],
     'test_speculative_sampling.py::test_accepted_drafts_keep_the_exact_law_mutants_break_it': ['layer-skip'],
+    # The hybrid MTP config file: sweeps from config files and MTP on hybrid targets are in CI
+    # (test_sweep_writes_every_artifact, test_hybrid_speculative.py), every config resolves (test_configs.py).
+    'test_sweep.py::test_hybrid_mtp_config': None,
     # CI: MTP sampled on Qwen3.5 and greedy on both hybrid targets; n-gram over a hybrid target's rollback in
     # test_ngram_first.py (ngram+mtp).
     'test_hybrid_speculative.py::test_mtp_sampling_keeps_the_target_law': ['tiny_qwen3_next'],
@@ -428,7 +436,9 @@ EXTENDED = {
 
 def pytest_collection_modifyitems(config, items):
   """Marks the `EXTENDED` cases; a listed case that no longer exists is an error, so the list cannot go stale."""
-  wanted = {f'{test}[{case}]' for test, cases in EXTENDED.items() for case in cases}
+  wanted = {
+      test if cases is None else f'{test}[{case}]' for test, cases in EXTENDED.items() for case in cases or [None]
+  }
   tests_dir = os.path.dirname(__file__)
   seen = set()
   files = set()
