@@ -68,6 +68,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
       choices=('float32', 'bfloat16', 'float16'),
       help='params and compute dtype (default: float32 on CPU, bfloat16 on GPU)',
   )
+  p.add_argument(
+      '--quant',
+      default=None,
+      choices=('none', 'auto', 'int8', 'int4'),
+      help="weight quantization: int8 (a scale per output channel), int4 (a scale per --quant-group inputs), auto "
+      "(a GGUF file's own blocks); default none (float; GGUF dequantized)",
+  )
+  p.add_argument('--quant-group', type=int, default=32, help='inputs per int4 scale (default 32)')
+  p.add_argument(
+      '--no-quant-embedding',
+      dest='quant_embedding',
+      action='store_false',
+      help='keep the embedding and head in float under --quant',
+  )
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -175,6 +189,11 @@ def sampling_from_args(args):
   return params
 
 
+def quant_args(args) -> dict:
+  """`load`'s quantization arguments from the flags."""
+  return dict(quant=args.quant, quant_group=args.quant_group, quant_embedding=args.quant_embedding)
+
+
 def cmd_generate(args) -> int:
   prompts = read_prompts(args)
   sampling = sampling_from_args(args)
@@ -182,7 +201,7 @@ def cmd_generate(args) -> int:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
   import specjax
 
-  model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype)
+  model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **quant_args(args))
   engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len)
   return _generate_and_print(args, model, engine, prompts, sampling, num_draft=0)
 
@@ -330,7 +349,7 @@ def load_engine(args, drafting: bool = True):
     family = get(kind)
     options = family.make_options(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(family.options)})
   heads = {h: True for h in family.heads_for(options)} if family else {}  # e.g. mtp=True: its MTP head too
-  model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **heads)
+  model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **heads, **quant_args(args))
   engine = specjax.Engine(
       model,
       page_size=args.page_size,

@@ -148,6 +148,13 @@ def spec_bench():
 # chain verifier (`verify`) and one of the tree verifier (`verify_tree`) or its `rejection_residual`. Every site
 # must occur exactly once, so a change to verify.py that moves one fails loudly instead of testing nothing.
 VERIFIER_MUTANTS = {
+    # Greedy: every valid draft is accepted, matching the target's argmax or not.
+    'greedy-accepts-all': (
+        (
+            'n_accepted = leading_true((drafts == target[:, :k]) & valid)',
+            'n_accepted = leading_true(valid)',
+        ),
+    ),
     # At a rejection, draw from p instead of norm(max(0, p - q)) (the tree: r is never reduced by q).
     'residual-not-reduced': (
         ('residual = jnp.maximum(p_at - q_at, 0.0)', 'residual = p_at'),

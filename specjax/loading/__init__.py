@@ -13,6 +13,9 @@ from flax import nnx
 from specjax.errors import SpecjaxError
 from specjax.loading.checkpoint import Checkpoint, GenerationDefaults  # noqa: F401 (specjax.loading API)
 from specjax.loading.registry import DEMO_MODELS, family_for
+from specjax.quant import ops
+from specjax.quant.formats import QUANT_CHOICES, QMatrix, to_device
+from specjax.quant.params import dequantize_params, quantize_params, quantized_kinds
 
 HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')
 
@@ -60,13 +63,42 @@ def check_mtp(path: str, config: dict | None) -> None:
     raise SpecjaxError(f'{path}: the MTP head has layers {sorted(layers)}; specjax runs one MTP layer (mtp.layers.0)')
 
 
-def load_checkpoint(spec: str, *, mtp: bool = False) -> Checkpoint:
+def check_quant(quant: str | None, path: str) -> str | None:
+  """The quantization a load asks for, checked against the checkpoint before any weight is read (None: float)."""
+  if quant in (None, 'none'):
+    return None
+  if quant not in QUANT_CHOICES:
+    raise SpecjaxError(f'unknown quantization {quant!r} (choose from {", ".join(QUANT_CHOICES)})')
+  if os.path.isdir(path):
+    if quant == 'auto':
+      raise SpecjaxError(
+          f"{path}: --quant auto keeps a GGUF file's own quantization; this is a safetensors checkpoint "
+          '(choose --quant int8 or int4)'
+      )
+    return quant
+  from specjax.loading.gguf import quantized_types
+
+  types = quantized_types(path)
+  if quant != 'auto' and types:
+    raise SpecjaxError(
+        f'{path} is already quantized ({", ".join(types)}); --quant {quant} would quantize it twice '
+        '(use --quant auto to run its own blocks, or leave --quant out for float weights)'
+    )
+  return quant
+
+
+def load_checkpoint(
+    spec: str, *, mtp: bool = False, quant: str | None = None, quant_embedding: bool = True
+) -> Checkpoint:
   """Reads a checkpoint (config, weights, tokenizer) without building a model.
 
   `mtp.*` weights (a built-in MTP head) are read only with `mtp=True`, which
-  first checks that the checkpoint has them.
+  first checks that the checkpoint has them. `quant='auto'` (GGUF only) keeps
+  the quantized projection and embedding tensors as `QMatrix` (the embedding too
+  only with `quant_embedding`); other quantizations happen in `build_model`.
   """
   path = resolve(spec)
+  check_quant(quant, path)
   if os.path.isdir(path):
     from specjax.loading.hf import load_hf_dir, read_hf_config
 
@@ -79,7 +111,7 @@ def load_checkpoint(spec: str, *, mtp: bool = False) -> Checkpoint:
     check_mtp(path, None)
   from specjax.loading.gguf import load_gguf
 
-  return load_gguf(path)
+  return load_gguf(path, keep_quantized=quant == 'auto', quant_embedding=quant_embedding)
 
 
 def default_dtype() -> str:
@@ -100,19 +132,34 @@ def resolve_dtype(dtype: str | None) -> jnp.dtype:
 def fill(abstract: nnx.Module, pure: dict, dtype, source: str) -> tuple[nnx.GraphDef, nnx.State]:
   """Splits an abstract module once and fills its state from a pure dict of numpy arrays.
 
-  Floating arrays are cast to `dtype`; integer ones (token ids) keep theirs.
+  Floating arrays are cast to `dtype`; integer ones (token ids) keep theirs; a
+  `QMatrix` keeps its integers and float32 scales.
   """
   graphdef, state = nnx.split(abstract)
-  cast = lambda w: jnp.asarray(w, dtype if np.issubdtype(np.asarray(w).dtype, np.floating) else None)
-  nnx.replace_by_pure_dict(state, jax.tree.map(cast, pure))
+
+  def cast(w):
+    if isinstance(w, QMatrix):
+      return to_device(w)
+    return jnp.asarray(w, dtype if np.issubdtype(np.asarray(w).dtype, np.floating) else None)
+
+  nnx.replace_by_pure_dict(state, jax.tree.map(cast, pure, is_leaf=lambda w: isinstance(w, QMatrix)))
   return graphdef, state
 
 
-def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto', mtp: bool = False, dtype: str | None = None):
+def build_model(
+    ckpt: Checkpoint,
+    *,
+    attention_impl: str = 'auto',
+    mtp: bool = False,
+    dtype: str | None = None,
+    quant: str | None = None,
+    quant_group: int = 32,
+    quant_embedding: bool = True,
+):
   """Builds the NNX module abstractly, splits it once and fills in the weights.
 
   `mtp=True` also builds the checkpoint's MTP head as its own module and params
-  (`model.heads['mtp']`), apart from the target's params.
+  (`model.heads['mtp']`), apart from the target's params. `quant`: see `load`.
   """
   from specjax.models.base import Model
 
@@ -130,10 +177,16 @@ def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto', mtp: bool = F
     abstract = nnx.eval_shape(lambda: head.build(cfg, attention_impl=attention_impl, dtype=dt))
     heads[name] = fill(abstract, head.params_from_hf(cfg, ckpt.tensors), dt, ckpt.source)
   abstract = nnx.eval_shape(lambda: family.build(cfg, attention_impl=attention_impl, dtype=dt))
+  quant = None if quant == 'none' else quant
+  if quant == 'int4':
+    check_groups(abstract, quant_group, ckpt.source)
   graphdef, state = fill(abstract, family.params_from_hf(cfg, ckpt.tensors), dt, ckpt.source)
   if ckpt.tensors:
     extra = sorted(ckpt.tensors)[:5]
     raise SpecjaxError(f'{ckpt.source}: {len(ckpt.tensors)} unexpected weights, e.g. {extra}')
+  if quant in ('int8', 'int4'):
+    quantize_params(state, quant, group=quant_group, embedding=quant_embedding)
+  quant = quant and describe_quant(state, quant, quant_group, dt)
   layout = abstract.cache_layout()
   return Model(
       graphdef,
@@ -147,16 +200,73 @@ def build_model(ckpt: Checkpoint, *, attention_impl: str = 'auto', mtp: bool = F
       state_shapes=list(layout.state_shapes),
       dtype=dt,
       heads=heads,
+      quant=quant,
   )
 
 
-def load(spec: str, *, attention_impl: str = 'auto', mtp: bool = False, dtype: str | None = None):
+def load(
+    spec: str,
+    *,
+    attention_impl: str = 'auto',
+    mtp: bool = False,
+    dtype: str | None = None,
+    quant: str | None = None,
+    quant_group: int = 32,
+    quant_embedding: bool = True,
+):
   """Loads a model by demo name (`gemma-3-270m`), local path or hub id.
 
   `mtp=True` also loads the checkpoint's built-in multi-token-prediction head
   (Qwen3.5 / Qwen3-Next `mtp.*`), for `drafters.make_drafter('mtp', model)`.
   `dtype` ('float32', 'bfloat16'): params and compute; default float32 on CPU,
   bfloat16 on GPU.
+
+  `quant` quantizes the projection matrices (attention, MLP) and, with
+  `quant_embedding`, the embedding and head: 'int8' (a scale per output
+  channel), 'int4' (a scale per `quant_group` inputs), 'auto' (a GGUF file's
+  own blocks, repacked: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K), None / 'none'
+  (float; a GGUF file is dequantized). Where the CPU kernel is not built the
+  quantized weights are dequantized at load, with one warning line.
   """
   resolve_dtype(dtype)  # a bad name fails before any weight is read
-  return build_model(load_checkpoint(spec, mtp=mtp), attention_impl=attention_impl, mtp=mtp, dtype=dtype)
+  if quant_group < 2 or quant_group % 2:
+    raise SpecjaxError(f'--quant-group must be an even number of inputs, got {quant_group}')
+  ckpt = load_checkpoint(spec, mtp=mtp, quant=quant, quant_embedding=quant_embedding)
+  return build_model(
+      ckpt,
+      attention_impl=attention_impl,
+      mtp=mtp,
+      dtype=dtype,
+      quant=quant,
+      quant_group=quant_group,
+      quant_embedding=quant_embedding,
+  )
+
+
+def check_groups(abstract: nnx.Module, group: int, source: str) -> None:
+  """int4 groups must divide the inputs of every weight they quantize."""
+  from specjax.models.layers import Weight
+
+  for path, var in nnx.to_flat_state(nnx.state(abstract)):
+    if isinstance(var, Weight):
+      inputs = var.get_value().shape[1 - var.out_axis]
+      if inputs % group:
+        name = '.'.join(map(str, path))
+        raise SpecjaxError(
+            f'{source}: int4 groups of {group} do not divide {name} ({inputs} inputs); choose --quant-group '
+            f'from the divisors of {inputs}, or --quant int8'
+        )
+
+
+def describe_quant(state: nnx.State, quant: str, group: int, dtype) -> str | None:
+  """'int8', 'int4-g32', or for a GGUF file its kinds by count ('auto: Q5_0 x81, Q8_0 x10, ...'); warns and
+  dequantizes where the CPU kernel is missing."""
+  kinds = quantized_kinds(state)
+  if not kinds:
+    return None
+  if ops.dequantize_at_load():
+    dequantize_params(state, dtype)
+    ops.warn_once(f'warning: {ops.kernel_status()}; quantized weights are dequantized at load (float speed)')
+  if quant == 'auto':
+    return 'auto: ' + ', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))
+  return f'int4-g{group}' if quant == 'int4' else quant

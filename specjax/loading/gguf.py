@@ -128,6 +128,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from specjax.errors import SpecjaxError
 from specjax.loading.checkpoint import Checkpoint, GenerationDefaults
 from specjax.loading.tokenizer import Tokenizer
+from specjax.quant.gguf import FLOAT_TYPES, REPACKED, repack
 
 _MAGIC = b'GGUF'
 _DEFAULT_ALIGNMENT = 32
@@ -364,8 +365,26 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
   return _GGUFFile(path).metadata
 
 
-def load_gguf(path: str) -> Checkpoint:
-  """Loads a GGUF checkpoint: config, float32 tensors, tokenizer, defaults."""
+# HF names of the tensors `--quant auto` keeps quantized: what the models read through `Weight` params.
+_QUANTIZABLE = tuple(f'self_attn.{p}_proj.weight' for p in 'qkvo') + tuple(
+    f'mlp.{p}_proj.weight' for p in ('gate', 'up', 'down')
+)
+_EMBEDDING = ('model.embed_tokens.weight', 'lm_head.weight')
+
+
+def quantized_types(path: str) -> list[str]:
+  """The quantized (not float) tensor types of a GGUF file, from its header."""
+  types = {info.qtype for info in _GGUFFile(path).tensors.values()} - set(FLOAT_TYPES)
+  return sorted(_type_name(t) for t in types)
+
+
+def load_gguf(path: str, *, keep_quantized: bool = False, quant_embedding: bool = True) -> Checkpoint:
+  """Loads a GGUF checkpoint: config, tensors, tokenizer, defaults.
+
+  Tensors are float32, but with `keep_quantized` the projections (and, with
+  `quant_embedding`, the embedding and head) of a repackable type stay
+  quantized, as `QMatrix` (`specjax.quant.gguf`).
+  """
   gguf_file = _GGUFFile(path)
   meta = gguf_file.metadata
   arch = meta.get('general.architecture')
@@ -392,6 +411,14 @@ def load_gguf(path: str) -> Checkpoint:
   tensors = {}
   for gguf_name, hf_name in hf_names.items():
     info = gguf_file.tensors[gguf_name]
+    keep = hf_name.endswith(_QUANTIZABLE) or (quant_embedding and hf_name in _EMBEDDING)
+    if keep_quantized and keep and info.qtype in REPACKED and len(info.shape) == 2:
+      values = repack(gguf_file.raw(info), info.qtype, info.shape)
+      if spec.permute_qk and gguf_name.endswith(('.attn_q.weight', '.attn_k.weight')):
+        heads = config['num_attention_heads' if '.attn_q.' in gguf_name else 'num_key_value_heads']
+        values = values.rows(_unpermute_rope_rows(np.arange(info.shape[0]), heads, gguf_name))
+      tensors[hf_name] = values
+      continue
     values = _dequantize(gguf_file.raw(info), info.qtype, info.shape)
     if spec.norm_offset and gguf_name.endswith('norm.weight'):
       values -= 1.0  # stored as 1 + w

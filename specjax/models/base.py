@@ -37,6 +37,7 @@ class Model:
   state_shapes: list = dataclasses.field(default_factory=list)  # per recurrent layer (ssm, conv) shapes per row
   dtype: Any = None  # params and compute dtype (jnp.float32 / jnp.bfloat16)
   heads: dict[str, Any] = dataclasses.field(default_factory=dict)  # built-in drafter heads, apart from params
+  quant: str | None = None  # how the weights are quantized ('int8', 'int4-g32', 'auto: Q8_0 x10, ...'), None: float
 
   @property
   def is_hybrid(self) -> bool:
@@ -55,6 +56,7 @@ class Model:
     """A hash of every weight's path, shape, dtype and bytes: equal iff the params are (computed once)."""
     if not hasattr(self, '_weights_fingerprint'):
       h = hashlib.blake2b(digest_size=12)
+      h.update(f'quant:{self.quant}:{jax.tree.structure(self.params)}'.encode())
       for path, x in jax.tree_util.tree_flatten_with_path(self.params)[0]:
         x = np.ascontiguousarray(jax.device_get(x))
         h.update(f'{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}'.encode())

@@ -56,9 +56,11 @@ from specjax.models.layers import (
     param,
     rms_normalize,
     routed_experts,
+    weight,
 )
 from specjax.models.transformer import head_logits, mlp_params, run_layers
 from specjax.models.weights import tensor_taker, unwrap_language_model
+from specjax.quant import ops
 
 SLIDING, FULL = 'sliding_attention', 'full_attention'
 MODEL_TYPES = ('gemma4_text', 'gemma4')
@@ -326,7 +328,7 @@ class Gemma4(ChainAppend, nnx.Module):
     rngs = rngs or nnx.Rngs(0)
     d, p = cfg.hidden_size, cfg.hidden_size_per_layer_input
     self.cfg = cfg
-    self.embed_tokens = param(rngs, (d, cfg.vocab_size), dtype)
+    self.embed_tokens = weight(rngs, (d, cfg.vocab_size), dtype)
     if p:
       lp = cfg.num_layers * p
       self.embed_tokens_per_layer = param(rngs, (cfg.vocab_size_per_layer_input, lp), dtype, fan_in=p)
@@ -337,7 +339,7 @@ class Gemma4(ChainAppend, nnx.Module):
     )
     self.norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = param(rngs, (d, cfg.vocab_size), dtype)
+      self.lm_head = weight(rngs, (d, cfg.vocab_size), dtype)
 
   @property
   def layer_types(self) -> tuple[str, ...]:
@@ -371,7 +373,7 @@ class Gemma4(ChainAppend, nnx.Module):
 
   def lookup(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     """Raw rows of the embedding table (no sqrt(D) scale)."""
-    return jnp.moveaxis(jnp.take(self.embed_tokens[...], tokens, axis=1), 0, -1)
+    return jnp.moveaxis(ops.take(self.embed_tokens[...], tokens, axis=1, dtype=self.norm.scale.dtype), 0, -1)
 
   def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     x = self.lookup(tokens)

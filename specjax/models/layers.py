@@ -22,6 +22,7 @@ from flax import nnx
 from pallas_kernels.paged_attention import MASK_VALUE, paged_attention
 from specjax.cache.paged import write_kv
 from specjax.models.contract import PagedKV, StepInputs
+from specjax.quant import ops
 
 ACTIVATIONS = {
     'gelu_pytorch_tanh': lambda x: jax.nn.gelu(x, approximate=True),
@@ -35,6 +36,19 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, *, fan_in: int | None =
   """A weight drawn from N(0, 1 / fan_in) (fan_in: the first axis by default)."""
   fan_in = fan_in or shape[0]
   return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(fan_in**-0.5, dtype))
+
+
+class Weight(nnx.Param):
+  """A matrix the blocks read only through `specjax.quant.ops`, so it may hold a `QMatrix`.
+
+  Metadata `out_axis`: its output axis (1 for a `[K, N]` projection, 0 for a
+  `[V, D]` table). `specjax.quant.quantize_params` quantizes these and nothing else.
+  """
+
+
+def weight(rngs: nnx.Rngs, shape: tuple[int, int], dtype, *, out_axis: int = 1, fan_in: int | None = None) -> Weight:
+  """A quantizable matrix (`Weight`) drawn as `param` draws."""
+  return Weight(param(rngs, shape, dtype, fan_in=fan_in)[...], out_axis=out_axis)
 
 
 class RMSNorm(nnx.Module):
@@ -230,8 +244,8 @@ class Attention(nnx.Module):
     n, k, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
     q_cols = 2 * n if spec.output_gate else n
     cols = (q_cols + KV_PROJECTIONS[spec.kv] * k) * h
-    self.qkv_proj = param(rngs, (in_dim or dim, cols), dtype)  # query | key (| value) (| gate)
-    self.o_proj = param(rngs, (n * h, dim), dtype)
+    self.qkv_proj = weight(rngs, (in_dim or dim, cols), dtype)  # query | key (| value) (| gate)
+    self.o_proj = weight(rngs, (n * h, dim), dtype)
     if spec.qk_norm:
       self.q_norm = RMSNorm(h, eps=spec.eps, offset=spec.norm_offset, dtype=dtype)
       if spec.kv != 'shared':
@@ -245,7 +259,7 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     n, h = s.num_heads, s.head_dim
     m = KV_PROJECTIONS[s.kv] * s.num_kv_heads
-    qkv = jnp.einsum('btd,de->bte', x, self.qkv_proj[...]).reshape(b, t, -1, h)
+    qkv = ops.matmul(x, self.qkv_proj[...]).reshape(b, t, -1, h)
     q = self.q_norm(qkv[:, :, :n]) if s.qk_norm else qkv[:, :, :n]
     gate = qkv[:, :, n + m :] if s.output_gate else None
     key, value = self.keys_values(qkv[:, :, n : n + m], positions) if m else (None, None)
@@ -257,8 +271,8 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     n, h = s.num_heads, s.head_dim
     m = KV_PROJECTIONS[s.kv] * s.num_kv_heads
-    w = self.qkv_proj[...][:, n * h : (n + m) * h]  # query | key (| value) (| gate): the key and value columns
-    return self.keys_values(jnp.einsum('btd,de->bte', x, w).reshape(b, t, m, h), positions)
+    w = ops.take_outputs(self.qkv_proj[...], slice(n * h, (n + m) * h), 1)  # query | key (| value) (| gate)
+    return self.keys_values(ops.matmul(x, w).reshape(b, t, m, h), positions)
 
   def keys_values(self, kv: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, T, M, H]
     """The key (and value) projections -> keys (normed, rotated) and values (v-normed) [B, T, K, H]."""
@@ -277,7 +291,7 @@ class Attention(nnx.Module):
     b, t, n, h = out.shape
     if gate is not None:
       out = out * jax.nn.sigmoid(gate)
-    return jnp.einsum('bte,ed->btd', out.reshape(b, t, n * h), self.o_proj[...])
+    return ops.matmul(out.reshape(b, t, n * h), self.o_proj[...])
 
   def __call__(
       self,
@@ -327,13 +341,13 @@ class GatedMLP(nnx.Module):
   """`down(act(gate(x)) * up(x))`: GeGLU (Gemma) or SwiGLU (Llama, Qwen)."""
 
   def __init__(self, dim: int, hidden: int, *, activation: str, dtype=jnp.float32, rngs: nnx.Rngs):
-    self.gate_up = param(rngs, (dim, 2 * hidden), dtype)  # gate and up side by side: one pass over the weights
-    self.down = param(rngs, (hidden, dim), dtype)
+    self.gate_up = weight(rngs, (dim, 2 * hidden), dtype)  # gate and up side by side: one pass over the weights
+    self.down = weight(rngs, (hidden, dim), dtype)
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D]
-    gate, up = jnp.split(jnp.einsum('btd,df->btf', x, self.gate_up[...]), 2, axis=-1)
-    return jnp.einsum('btf,fd->btd', ACTIVATIONS[self.activation](gate) * up, self.down[...])
+    gate, up = jnp.split(ops.matmul(x, self.gate_up[...]), 2, axis=-1)
+    return ops.matmul(ACTIVATIONS[self.activation](gate) * up, self.down[...])
 
 
 def routed_experts(

@@ -34,10 +34,11 @@ from specjax.cache.paged import KVCache
 from specjax.errors import SpecjaxError
 from specjax.models import gated_deltanet as gdn
 from specjax.models.contract import CacheLayout, ChainAppend, DraftLayerSpec, StepInputs
-from specjax.models.layers import Attention, AttentionSpec, DecoderBlock, GatedMLP, MoE, RMSNorm, Rope, param
+from specjax.models.layers import Attention, AttentionSpec, DecoderBlock, GatedMLP, MoE, RMSNorm, Rope, param, weight
 from specjax.models.mtp import MTPHead
 from specjax.models.transformer import DecoderShape, mlp_params, run_layers
 from specjax.models.weights import tensor_taker, unwrap_language_model
+from specjax.quant import ops
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
 MOE_TYPES = ('qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_next')
@@ -252,7 +253,7 @@ class Qwen35(ChainAppend, nnx.Module):
   ):
     rngs = rngs or nnx.Rngs(0)
     self.cfg = cfg
-    self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, fan_in=cfg.hidden_size)
+    self.embed_tokens = weight(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, out_axis=0, fan_in=cfg.hidden_size)
     self.layers = nnx.List(
         [
             _block(cfg, t, m, attention_impl, dtype, rngs)
@@ -261,7 +262,7 @@ class Qwen35(ChainAppend, nnx.Module):
     )
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=1.0, dtype=dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+      self.lm_head = weight(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
   def cache_layout(self) -> CacheLayout:
     """(kv heads, head dim) of each attention layer; per-row (ssm, conv) shapes of each Gated DeltaNet layer."""
@@ -284,7 +285,7 @@ class Qwen35(ChainAppend, nnx.Module):
 
   def lookup(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     """Raw rows of the embedding table; the same as `embed` here (no embedding scale)."""
-    return jnp.take(self.embed_tokens[...], tokens, axis=0)
+    return ops.take(self.embed_tokens[...], tokens, axis=0, dtype=self.norm.scale.dtype)
 
   def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     return self.lookup(tokens)
@@ -310,7 +311,7 @@ class Qwen35(ChainAppend, nnx.Module):
     num_layers = self.cfg.num_layers if num_layers is None else num_layers
     if cache is None:
       ssm_all = [jnp.zeros((b, 1, *s), jnp.float32) for s, _ in self.cache_layout().state_shapes]
-      conv_all = [jnp.zeros((b, 1, *c), self.embed_tokens.dtype) for _, c in self.cache_layout().state_shapes]
+      conv_all = [jnp.zeros((b, 1, *c), self.norm.scale.dtype) for _, c in self.cache_layout().state_shapes]
       state_slot = jnp.zeros((b,), jnp.int32)
     else:
       ssm_all, conv_all, state_slot = list(cache.ssm), list(cache.conv), cache.state_slot
@@ -328,10 +329,10 @@ class Qwen35(ChainAppend, nnx.Module):
   def logits(self, hidden: jax.Array, ids: jax.Array | None = None) -> jax.Array:  # [..., D] -> [..., V]
     """Final logits; with `ids` [V'] only those vocabulary columns ([..., V']: a training draft vocabulary)."""
     if self.cfg.tie_word_embeddings:
-      table = self.embed_tokens[...] if ids is None else jnp.take(self.embed_tokens[...], ids, axis=0)
-      return jnp.einsum('...d,vd->...v', hidden, table)
-    head = self.lm_head[...] if ids is None else jnp.take(self.lm_head[...], ids, axis=1)
-    return jnp.einsum('...d,dv->...v', hidden, head)
+      table = self.embed_tokens[...] if ids is None else ops.take_outputs(self.embed_tokens[...], ids, 0)
+      return ops.matmul_t(hidden, table)
+    head = self.lm_head[...] if ids is None else ops.take_outputs(self.lm_head[...], ids, 1)
+    return ops.matmul(hidden, head)
 
 
 # ---------------------------------------------------------------- checkpoint mapping

@@ -19,7 +19,8 @@ from flax import nnx
 
 from specjax.cache.paged import KVCache
 from specjax.models.contract import CacheLayout, ChainAppend, DraftLayerSpec, PagedKV, StepInputs
-from specjax.models.layers import AttentionSpec, Attention, DecoderBlock, GatedMLP, RMSNorm, param
+from specjax.models.layers import AttentionSpec, Attention, DecoderBlock, GatedMLP, RMSNorm, param, weight
+from specjax.quant import ops
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,7 +66,7 @@ class DecoderLM(ChainAppend, nnx.Module):
     rngs = rngs or nnx.Rngs(0)
     d = spec.hidden_size
     self.spec = spec
-    self.embed_tokens = param(rngs, (d, spec.vocab_size), dtype)
+    self.embed_tokens = weight(rngs, (d, spec.vocab_size), dtype)
     self.layers = nnx.List(
         [
             DecoderBlock(
@@ -82,7 +83,7 @@ class DecoderLM(ChainAppend, nnx.Module):
     )
     self.norm = RMSNorm(d, eps=spec.norm_eps, offset=spec.norm_offset, dtype=dtype)
     if not spec.tie_embeddings:
-      self.lm_head = param(rngs, (d, spec.vocab_size), dtype)
+      self.lm_head = weight(rngs, (d, spec.vocab_size), dtype)
 
   def cache_layout(self) -> CacheLayout:
     return CacheLayout(tuple((a.num_kv_heads, a.head_dim) for a in self.spec.layers))
@@ -103,7 +104,7 @@ class DecoderLM(ChainAppend, nnx.Module):
 
   def lookup(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     """Raw rows of the embedding table (no Gemma sqrt(D) scale): what EAGLE-style drafters read."""
-    return jnp.moveaxis(jnp.take(self.embed_tokens[...], tokens, axis=1), 0, -1)
+    return jnp.moveaxis(ops.take(self.embed_tokens[...], tokens, axis=1, dtype=self.norm.scale.dtype), 0, -1)
 
   def embed(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
     x = self.lookup(tokens)
@@ -186,14 +187,14 @@ def run_layers(
 
 def head_logits(
     hidden: jax.Array,  # [..., D]
-    head: jax.Array,  # [D, V]
+    head,  # [D, V]: an array or a QMatrix
     ids: jax.Array | None = None,  # [V'] only these columns
     cap: float | None = None,  # final softcap
 ) -> jax.Array:  # [..., V] (or [..., V'])
   """`hidden @ head` (the `[D, V]` head of `DecoderLM` and Gemma 4), over `ids` only if given, softcapped."""
   if ids is not None:
-    head = jnp.take(head, ids, axis=1)
-  logits = jnp.einsum('...d,dv->...v', hidden, head)
+    head = ops.take_outputs(head, ids, 1)
+  logits = ops.matmul(hidden, head)
   if cap:
     logits = jnp.tanh(logits / cap) * cap
   return logits

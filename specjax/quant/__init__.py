@@ -1,0 +1,1 @@
+"""Quantized weights: formats (`QMatrix`), the ops models call, GGUF repacking, quantizing a model's params."""

@@ -1,0 +1,190 @@
+"""Quantized weight matrices as pytrees: int8 and packed int4 values, a scale (and min) per group.
+
+A `QMatrix` stands for a float matrix that one of the model's `Weight` params
+holds (`x @ w`, or an embedding table). Its storage is output-major: `[N, K]`
+for N outputs of K inputs (an embedding table's and PyTorch's layout; a GGUF
+tensor's rows), in groups of G consecutive inputs:
+
+  w[n, k] = scales[n, k // G] * v[n, k] - mins[n, k // G]   (no mins: 0)
+
+- bits 8: `values` int8 `[N, K]` holds v (also 5- and 6-bit GGUF values);
+- bits 4: `values` uint8 `[N, K / 2]`; the group starting at k0 takes G / 2
+  bytes, byte j holding element k0 + j in its low nibble and k0 + j + G / 2 in
+  its high one; a nibble u means v = u - offset.
+
+`out_axis` says which axis of the logical (float) matrix is N: 1 for a `[K, N]`
+projection, 0 for a `[V, D]` table. The same class holds numpy arrays at load
+and jax arrays after; `.T` and `np.concatenate` along the output axis work on
+it, so checkpoint mappings written for float tensors run unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.errors import SpecjaxError
+
+QUANT_MODES = ('int8', 'int4')
+QUANT_CHOICES = ('none', 'auto', *QUANT_MODES)  # what `load(quant=)` and --quant take
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QMatrix:
+  """A quantized matrix (see the module docstring); a pytree of `values`, `scales`, `mins`."""
+
+  values: Any  # int8 [N, K] or uint8 [N, K / 2]
+  scales: Any  # float32 [N, K / G]
+  mins: Any  # float32 [N, K / G] or None
+  bits: int = dataclasses.field(metadata=dict(static=True))
+  group: int = dataclasses.field(metadata=dict(static=True))
+  offset: int = dataclasses.field(default=0, metadata=dict(static=True))  # 4-bit: v = nibble - offset
+  out_axis: int = dataclasses.field(default=0, metadata=dict(static=True))  # the logical matrix's N axis
+  kind: str = dataclasses.field(default='', metadata=dict(static=True))  # 'int8', 'int4', a GGUF type name
+
+  @property
+  def num_outputs(self) -> int:
+    return self.values.shape[0]
+
+  @property
+  def num_inputs(self) -> int:
+    return self.values.shape[1] * (2 if self.bits == 4 else 1)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    """The logical (float) matrix's shape."""
+    n, k = self.num_outputs, self.num_inputs
+    return (n, k) if self.out_axis == 0 else (k, n)
+
+  @property
+  def ndim(self) -> int:
+    return 2
+
+  @property
+  def dtype(self):
+    return self.scales.dtype
+
+  @property
+  def nbytes(self) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+  @property
+  def T(self) -> QMatrix:  # noqa: N802 (numpy's name)
+    return dataclasses.replace(self, out_axis=1 - self.out_axis)
+
+  def __getitem__(self, key):
+    if key is Ellipsis:  # `variable[...]`: the value itself
+      return self
+    raise TypeError('a QMatrix is read through specjax.quant.ops (matmul, take, take_outputs), not indexed')
+
+  def __array_function__(self, func, types, args, kwargs):
+    if func is np.concatenate:
+      return concatenate(*args, **kwargs)
+    return NotImplemented
+
+  def rows(self, index) -> QMatrix:
+    """The storage rows (outputs) at `index` (an int array or a slice), as a QMatrix."""
+    take = lambda x: None if x is None else x[index]
+    return dataclasses.replace(self, values=self.values[index], scales=self.scales[index], mins=take(self.mins))
+
+
+def concatenate(parts, axis: int = 0, **kwargs) -> QMatrix:
+  """`np.concatenate` of QMatrix parts along their output axis (mixed formats: widened to int8, smallest group)."""
+  if kwargs:
+    raise TypeError(f'np.concatenate of QMatrix takes no {sorted(kwargs)}')
+  parts = list(parts)
+  if not all(isinstance(p, QMatrix) for p in parts):  # a fused weight of float and quantized tensors: float
+    dense = [p if not isinstance(p, QMatrix) else dense_host(p) for p in parts]
+    return np.concatenate(dense, axis=axis)
+  out_axis = parts[0].out_axis
+  if not all(isinstance(p, QMatrix) and p.out_axis == out_axis for p in parts) or axis % 2 != out_axis:
+    raise TypeError('QMatrix parts concatenate only with each other, along their output axis')
+  kind = '+'.join(dict.fromkeys(p.kind for p in parts))  # e.g. 'Q5_0+Q8_0' for a fused q | k | v
+  if len({(p.bits, p.group, p.offset, p.mins is None) for p in parts}) > 1:
+    group = math.gcd(*(p.group for p in parts))
+    parts = [widen(p, group) for p in parts]
+  p0 = parts[0]
+  mins = None if p0.mins is None else np.concatenate([p.mins for p in parts])
+  return dataclasses.replace(
+      p0,
+      values=np.concatenate([p.values for p in parts]),
+      scales=np.concatenate([p.scales for p in parts]),
+      mins=mins,
+      kind=kind,
+  )
+
+
+def widen(q: QMatrix, group: int) -> QMatrix:
+  """The same weights as int8 values, groups of `group` (a divisor of q's), with mins (zeros if q had none).
+
+  Exact: the values are integers, a finer group repeats its scale, and `x - 0 == x`.
+  """
+  values = np.asarray(unpack_values(q, np))
+  r = q.group // group
+  scales = np.repeat(np.asarray(q.scales), r, axis=1)
+  mins = np.zeros_like(scales) if q.mins is None else np.repeat(np.asarray(q.mins), r, axis=1)
+  return QMatrix(values.astype(np.int8), scales, mins, 8, group, 0, q.out_axis, q.kind)
+
+
+def unpack_values(q: QMatrix, xp=jnp):  # -> int8 [N, K]
+  """The integer values v (nibbles unpacked and offset for 4 bits)."""
+  if q.bits == 8:
+    return q.values
+  n = q.values.shape[0]
+  packed = q.values.reshape(n, -1, q.group // 2)
+  nibbles = xp.concatenate([packed & 15, packed >> 4], axis=-1).astype(xp.int8)
+  return nibbles.reshape(n, -1) - xp.asarray(q.offset, xp.int8)
+
+
+def dequantize(q: QMatrix, dtype=jnp.float32, xp=jnp):  # -> [N, K] storage layout
+  """The float weights, storage-major `[N, K]` (`xp=np` on the host: float32, the order of GGUF's dequantizer)."""
+  n, k = q.num_outputs, q.num_inputs
+  v = unpack_values(q, xp).reshape(n, k // q.group, q.group).astype(xp.float32)
+  w = q.scales[..., None] * v
+  if q.mins is not None:
+    w = w - q.mins[..., None]
+  return w.reshape(n, k).astype(dtype)
+
+
+def dense_host(q: QMatrix) -> np.ndarray:
+  """The float32 matrix in its logical layout, on the host."""
+  w = dequantize(q, np.float32, xp=np)
+  return w if q.out_axis == 0 else w.T
+
+
+def quantize(w: np.ndarray, mode: str, *, out_axis: int, group: int = 32) -> QMatrix:
+  """A float matrix -> int8 (symmetric, a scale per output channel) or int4 (symmetric, a scale per `group`)."""
+  storage = np.asarray(w, np.float32)
+  storage = storage if out_axis == 0 else storage.T
+  n, k = storage.shape
+  if mode == 'int8':
+    scale = np.abs(storage).max(axis=1, keepdims=True) / 127.0
+    v = np.round(storage / np.where(scale == 0, 1.0, scale)).clip(-127, 127).astype(np.int8)
+    return QMatrix(v, scale.astype(np.float32), None, 8, k, 0, out_axis, 'int8')
+  if mode != 'int4':
+    raise SpecjaxError(f'unknown quantization {mode!r} (choose from {", ".join(QUANT_MODES)})')
+  if k % group or group % 2:
+    raise SpecjaxError(f'int4 groups of {group} do not divide a weight of {k} inputs (shape {tuple(w.shape)})')
+  blocks = storage.reshape(n, k // group, group)
+  scale = np.abs(blocks).max(axis=2) / 7.0
+  v = np.round(blocks / np.where(scale == 0, 1.0, scale)[..., None]).clip(-8, 7).astype(np.int8)
+  return QMatrix(pack4(v.reshape(n, k) + 8, group), scale.astype(np.float32), None, 4, group, 8, out_axis, 'int4')
+
+
+def pack4(nibbles: np.ndarray, group: int) -> np.ndarray:  # [N, K] values 0..15 -> uint8 [N, K / 2]
+  """Packs nibbles two to a byte: element j and j + G / 2 of each group share byte j."""
+  n, k = nibbles.shape
+  g = nibbles.astype(np.uint8).reshape(n, k // group, 2, group // 2)
+  return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def to_device(q: QMatrix, dtype=None) -> QMatrix:
+  """Host arrays -> jax arrays (scales and mins in `dtype` when given, values as stored)."""
+  cast = lambda x: None if x is None else jnp.asarray(x, dtype)
+  return dataclasses.replace(q, values=jnp.asarray(q.values), scales=cast(q.scales), mins=cast(q.mins))

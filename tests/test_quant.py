@@ -1,0 +1,203 @@
+"""Quantized weights: GGUF repacking bit for bit, int8 / int4 quantization, the ops, and exactness under --quant."""
+
+import dataclasses
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as Q
+
+import specjax
+from specjax import SpecjaxError
+from specjax.drafters import make_drafter
+from specjax.loading import gguf as gguf_loader
+from specjax.models.contract import StepInputs
+from specjax.quant import ops
+from specjax.quant.formats import QMatrix, dequantize, quantize
+from specjax.quant.gguf import REPACKED, repack
+from conftest import TINY, mutated_verifier
+from test_gguf import random_k_blocks, write_gguf
+
+DEMO_GGUF_TYPES = ('Q8_0', 'Q5_0', 'Q4_K', 'Q6_K')  # what the real Gemma 3 270M file holds
+
+
+def random_blocks(rng, qtype, rows, k):
+  """Valid stored blocks of a [rows, k] tensor (finite f16 scales)."""
+  if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    return random_k_blocks(rng, qtype, rows * k // 256).reshape(rows, -1)
+  return gguf.quants.quantize(rng.normal(0.0, 0.5, (rows, k)).astype(np.float32), qtype)
+
+
+@pytest.mark.parametrize('qtype', sorted(REPACKED), ids=lambda t: t.name)
+def test_repack_equals_gguf_dequantize_bit_for_bit(qtype):
+  raw = random_blocks(np.random.default_rng(int(qtype)), qtype, 6, 512)
+  q = repack(raw, qtype, (6, 512))
+  want = gguf.quants.dequantize(raw, qtype).reshape(6, 512)
+  got = dequantize(q, np.float32, xp=np)
+  assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+  assert q.values.dtype == (np.uint8 if q.bits == 4 else np.int8) and q.scales.dtype == np.float32
+  # In jit (the XLA path dequantizes the same way; XLA may fuse the min into an FMA, so within an ulp).
+  np.testing.assert_allclose(np.asarray(jax.jit(dequantize)(q)), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_real_gemma3_tensors_repack_bit_for_bit():
+  """Every type the demo file holds, on its own tensors (the first 64 rows of each)."""
+  f = gguf_loader._GGUFFile(specjax.loading.resolve('gemma-3-270m'))
+  seen = set()
+  for info in f.tensors.values():
+    name = gguf_loader._type_name(info.qtype)
+    if name in seen or info.qtype not in REPACKED:
+      continue
+    seen.add(name)
+    raw = f.raw(info)[:64]
+    got = dequantize(repack(raw, info.qtype, (64, info.shape[1])), np.float32, xp=np)
+    want = gguf.quants.dequantize(raw, info.qtype).reshape(64, -1)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), info.name
+  assert seen == set(DEMO_GGUF_TYPES)
+
+
+def test_int8_and_int4_quantize_within_half_a_step():
+  rng = np.random.default_rng(0)
+  w = rng.normal(0, 1, (64, 48)).astype(np.float32)  # [K, N]
+  for mode, group in (('int8', 64), ('int4', 32), ('int4', 16)):
+    q = quantize(w, mode, out_axis=1, group=group)
+    assert q.shape == w.shape and q.group == group
+    back = dequantize(q, np.float32, xp=np).T
+    step = np.repeat(np.asarray(q.scales), group, axis=1).T  # the scale of each element's group
+    assert np.all(np.abs(back - w) <= 0.5 * step + 1e-6), mode
+  with pytest.raises(SpecjaxError, match='do not divide'):
+    quantize(w[:40], 'int4', out_axis=1, group=32)
+
+
+def test_ops_match_the_float_ops_on_dequantized_weights():
+  rng = np.random.default_rng(1)
+  w = rng.normal(0, 1, (64, 96)).astype(np.float32)  # [K, N]
+  x = jnp.asarray(rng.normal(0, 1, (2, 3, 64)), jnp.float32)
+  ids = jnp.asarray([[5, 0], [95, 7]])
+  for mode in ('int8', 'int4'):
+    q = jax.tree.map(jnp.asarray, quantize(w, mode, out_axis=1))
+    dense = jnp.asarray(dequantize(q, np.float32, xp=np).T)  # [K, N]
+    np.testing.assert_allclose(ops.matmul(x, q), ops.matmul(x, dense), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(ops.take(q, ids, axis=1), jnp.take(dense, ids, axis=1))
+    cols = ops.take_outputs(q, slice(10, 30), 1)
+    np.testing.assert_allclose(ops.matmul(x, cols), ops.matmul(x, dense[:, 10:30]), rtol=1e-5, atol=1e-5)
+    table = dataclasses.replace(q, out_axis=0)  # the same storage read as a [N, K] table
+    np.testing.assert_allclose(ops.matmul_t(x, table), ops.matmul(x, dense), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_weights_of_mixed_types_concatenate_exactly():
+  """A fused q | k | v of Q5_0, Q4_K and Q6_K widens to int8 values and the finest group; float parts stay float."""
+  rng = np.random.default_rng(2)
+  parts = [(Q.Q5_0, 4), (Q.Q4_K, 2), (Q.Q6_K, 2)]
+  raws = [random_blocks(rng, t, rows, 256) for t, rows in parts]
+  qs = [repack(r, t, (rows, 256)) for r, (t, rows) in zip(raws, parts)]
+  fused = np.concatenate(qs).T  # what the checkpoint mapping does: [K, N]
+  assert isinstance(fused, QMatrix) and fused.shape == (256, 8) and fused.bits == 8 and fused.group == 16
+  assert fused.kind == 'Q5_0+Q4_K+Q6_K'
+  want = np.concatenate([gguf.quants.dequantize(r, t).reshape(-1, 256) for r, (t, _) in zip(raws, parts)])
+  assert np.array_equal(dequantize(fused, np.float32, xp=np), want)
+  mixed = np.concatenate([qs[0], want[4:]])
+  assert isinstance(mixed, np.ndarray) and np.array_equal(mixed, want)
+
+
+@pytest.fixture(scope='module')
+def tiny_gguf(tmp_path_factory):
+  path = tmp_path_factory.mktemp('qgguf') / 'tiny.gguf'
+  write_gguf(path)
+  return str(path)
+
+
+def test_gguf_auto_keeps_blocks_and_matches_the_float_model(tiny_gguf):
+  """`quant='auto'` runs the file's own blocks; its logits equal the dequantized (float) model's to float error."""
+  with_kernel = ops.uses_kernel()
+  ops.set_impl('xla')  # keep the QMatrix weights even where no kernel is built
+  try:
+    quantized = specjax.load(tiny_gguf, quant='auto')
+  finally:
+    ops.set_impl('auto')
+  dense = specjax.load(tiny_gguf)
+  assert quantized.quant.startswith('auto: ') and 'Q4_K' in quantized.quant and dense.quant is None
+  assert quantized.param_bytes < 0.6 * dense.param_bytes
+  kinds = {type(v).__name__ for v in jax.tree.leaves(quantized.params, is_leaf=lambda v: isinstance(v, QMatrix))}
+  assert 'QMatrix' in kinds
+  tokens = jnp.asarray([[2, 100, 101, 102, 5]])
+  out = []
+  for model in (quantized, dense):
+    hidden, _, _ = model.module().forward(tokens, StepInputs.chain(None, jnp.asarray([5]), 5), None)
+    out.append(model.module().logits(hidden))
+  np.testing.assert_allclose(out[0], out[1], rtol=2e-4, atol=2e-4)
+  del with_kernel
+
+
+def test_bad_quantization_requests(tiny_gguf, tmp_path):
+  with pytest.raises(SpecjaxError, match='already quantized .*Q4_K.*--quant int8 would quantize it twice'):
+    specjax.load(tiny_gguf, quant='int8')
+  with pytest.raises(SpecjaxError, match='--quant auto keeps a GGUF'):
+    specjax.load(TINY, quant='auto')
+  with pytest.raises(SpecjaxError, match='unknown quantization'):
+    specjax.load(TINY, quant='int3')
+  with pytest.raises(SpecjaxError, match='int4 groups of 96 do not divide'):
+    specjax.load(TINY, quant='int4', quant_group=96)
+  with pytest.raises(SpecjaxError, match='even number'):
+    specjax.load(TINY, quant='int4', quant_group=7)
+
+
+PROMPTS = ['def add(a, b):\n    return a + b\n\ndef add(a, b):\n', 'The cat sat on the mat. The cat', 'Hello']
+
+
+@pytest.mark.parametrize('quant,impl', [('int8', 'auto'), ('int4', 'auto'), ('int4', 'xla')])
+def test_greedy_speculative_equals_quantized_autoregressive(quant, impl):
+  """Greedy n-gram speculation over a quantized target emits exactly that target's AR tokens, drafts accepted;
+  a verifier mutant (greedy accepts every draft) breaks it, so the test can fail. `auto`: the CPU kernel (or
+  weights dequantized at load where it is not built); `xla`: dequantized inside jit."""
+  ops.set_impl(impl)
+  try:
+    _greedy_check(quant)
+  finally:
+    ops.set_impl('auto')
+
+
+def _greedy_check(quant):
+  model = specjax.load(TINY, quant=quant)
+  assert model.quant in ('int8', 'int4-g32')
+  reference = [r.tokens for r in specjax.Engine(model, page_size=4).generate(PROMPTS, max_new_tokens=32)[0]]
+  engine = specjax.Engine(model, page_size=4, drafter=make_drafter('ngram', model))
+  results, _ = engine.generate(PROMPTS, max_new_tokens=32, num_draft=4)
+  assert [r.tokens for r in results] == reference
+  assert sum(r.spec.accepted for r in results) >= 10
+  with mutated_verifier('greedy-accepts-all', engine):
+    mutant, _ = engine.generate(PROMPTS, max_new_tokens=32, num_draft=4)
+  assert [r.tokens for r in mutant] != reference
+
+
+def test_draft_model_follows_the_target_quantization():
+  """A draft model loaded by path takes the target's quantization unless --draft-quant says otherwise; greedy
+  output still equals the quantized target's AR output."""
+  target = specjax.load(TINY, quant='int4', quant_group=16)
+  drafter = make_drafter('draft-model', target, draft_model=TINY)
+  assert drafter.model.quant == 'int4-g16'
+  assert make_drafter('draft-model', target, draft_model=TINY, draft_quant='none').model.quant is None
+  assert make_drafter('draft-model', target, draft_model=TINY, draft_quant='int8').model.quant == 'int8'
+  reference = [r.tokens for r in specjax.Engine(target, page_size=4).generate(PROMPTS, max_new_tokens=16)[0]]
+  results, _ = specjax.Engine(target, page_size=4, drafter=drafter).generate(PROMPTS, max_new_tokens=16, num_draft=3)
+  assert [r.tokens for r in results] == reference
+  assert all(r.spec.accepted == r.spec.drafted for r in results)  # the same quantized weights draft
+  with pytest.raises(SpecjaxError, match='--draft-quant must be one of'):
+    make_drafter('draft-model', target, draft_model=TINY, draft_quant='q4')
+
+
+def test_cli_quant_flags(capsys):
+  from specjax import cli
+
+  code = cli.main(['generate', '-m', TINY, '--prompt', 'Hello', '--max-new-tokens', '3', '--quant', 'int8', '--json'])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  code = cli.main(['run', '-m', TINY, '--prompt', 'Hello', '--drafter', 'ngram', '--draft-quant', 'int8'])
+  out, err = capsys.readouterr()
+  assert code != 0 and err.count('error:') == 1 and '--draft-quant is an option of --drafter draft-model' in err
+  code = cli.main(['generate', '-m', TINY, '--prompt', 'Hello', '--quant', 'int4', '--quant-group', '96'])
+  out, err = capsys.readouterr()
+  assert code != 0 and 'int4 groups of 96 do not divide' in err and 'Hello' not in out
