@@ -52,7 +52,7 @@ def kernel_status() -> str:
   except ImportError as e:
     return f'the quantized CPU kernel is not installed ({e})'
   if not cpu_kernel.available():
-    return f'the quantized CPU kernel is not available ({cpu_kernel.unavailable_reason()})'
+    return f'the quantized CPU kernel is not available ({cpu_kernel.reason()})'
   return 'the CPU kernel is in use'
 
 
