@@ -1,0 +1,99 @@
+"""The CPU quantized-matmul kernel (specjax/quant/cpu_kernel.py): against a float64 numpy product of the same
+dequantized weight, for every format it takes, and bit for bit independent of M and of the other rows."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.errors import SpecjaxError
+from specjax.quant import cpu_kernel
+
+# CI builds the extension through `pip install -e .`; elsewhere a machine without a compiler skips.
+if not cpu_kernel.available():
+  if os.environ.get('CI'):
+    raise RuntimeError(f'the CPU kernel must be built in CI: {cpu_kernel.reason()}')
+  pytest.skip(f'the CPU kernel is unavailable: {cpu_kernel.reason()}', allow_module_level=True)
+
+
+def quantized(rng, n: int, k: int, *, bits: int, group: int, offset: int, mins: bool):
+  """Random values, scales and mins in the kernel's format, and the float64 weight they mean: [N, K]."""
+  if bits == 32:
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    return (w, None, None), w.astype(np.float64)
+  if bits == 8:
+    values = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    v = values.astype(np.float64)
+  else:
+    values = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    halves = values.reshape(n, k // group, group // 2)
+    v = np.concatenate([halves & 15, halves >> 4], axis=-1).reshape(n, k).astype(np.float64) - offset
+  scales = rng.uniform(0.005, 0.02, (n, k // group)).astype(np.float32)
+  w = np.repeat(scales.astype(np.float64), group, axis=1) * v
+  lows = None
+  if mins:
+    lows = rng.uniform(0.0, 0.1, (n, k // group)).astype(np.float32)
+    w -= np.repeat(lows.astype(np.float64), group, axis=1)
+  return (values, scales, lows), w
+
+
+def check(rng, *, m: int, k: int, n: int, bits: int, group: int, offset: int = 0, mins: bool = False, lead=()):
+  (values, scales, lows), w = quantized(rng, n, k, bits=bits, group=group, offset=offset, mins=mins)
+  x = rng.standard_normal((*lead, m, k)).astype(np.float32)  # [..., M, K]
+  f = jax.jit(lambda x: cpu_kernel.qmatmul(x, values, scales, lows, bits=bits, group=group, offset=offset))
+  y = np.asarray(f(x))  # [..., M, N]
+  want = x.astype(np.float64) @ w.T
+  assert y.shape == want.shape and y.dtype == np.float32
+  bound = 1e-5 * np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-6  # float32 summation error, with room
+  np.testing.assert_array_less(np.abs(y - want), bound)
+  return x, f, y
+
+
+@pytest.mark.parametrize('bits', [8, 4])
+@pytest.mark.parametrize('group', [16, 32, 64, 'K'])
+@pytest.mark.parametrize('mins', [False, True])
+def test_against_numpy(bits, group, mins):
+  rng = np.random.default_rng(bits * 100 + (0 if group == 'K' else group) + mins)
+  k = 192
+  group = k if group == 'K' else group
+  for offset in (0, 8) if bits == 4 else (0,):
+    for m in range(1, 10):
+      check(rng, m=m, k=k, n=45, bits=bits, group=group, offset=offset, mins=mins)
+
+
+@pytest.mark.parametrize('bits', [8, 4, 32])
+def test_ragged_widths_and_leading_shape(bits):
+  """Groups that are no multiple of the SIMD width (tails), a per-channel group, and a [B, T, K] input."""
+  rng = np.random.default_rng(bits)
+  check(rng, m=3, k=44, n=13, bits=bits, group=22, offset=8 if bits == 4 else 0, mins=bits != 32, lead=(2,))
+  check(rng, m=7, k=18, n=250, bits=bits, group=18, lead=(2, 3))
+  check(rng, m=1, k=640, n=1, bits=bits, group=32)
+
+
+@pytest.mark.parametrize('bits', [8, 4, 32])
+def test_rows_bitwise_independent_of_m(bits):
+  """Each row's output has the same bits alone (decode, M = 1), among 4 or 9 (verify) or under other rows, with
+  enough channels that the work is split over threads."""
+  rng = np.random.default_rng(7)
+  x, f, y = check(rng, m=9, k=256, n=2000, bits=bits, group=32, offset=8 if bits == 4 else 0, mins=bits == 4)
+  for i in range(9):
+    np.testing.assert_array_equal(np.asarray(f(x[i : i + 1])), y[i : i + 1])
+  np.testing.assert_array_equal(np.asarray(f(x[2:6])), y[2:6])
+  other = np.concatenate([rng.standard_normal((3, 256)).astype(np.float32), x[4:5]])
+  np.testing.assert_array_equal(np.asarray(f(other))[3], y[4])
+
+
+def test_bad_shapes():
+  x = jnp.zeros((2, 64), jnp.float32)
+  values, scales = jnp.zeros((8, 64), jnp.int8), jnp.ones((8, 2), jnp.float32)
+  cpu_kernel.qmatmul(x, values, scales, bits=8, group=32)
+  with pytest.raises(SpecjaxError, match='divide the input width'):
+    cpu_kernel.qmatmul(x, values, jnp.ones((8, 3), jnp.float32), bits=8, group=24)
+  with pytest.raises(SpecjaxError, match=r'scales must be \[N, K // G\]'):
+    cpu_kernel.qmatmul(x, values, jnp.ones((8, 4), jnp.float32), bits=8, group=32)
+  with pytest.raises(SpecjaxError, match=r'values must be \[N, 32\]'):
+    cpu_kernel.qmatmul(x, values.view(jnp.uint8), scales, bits=4, group=32)
+  with pytest.raises(SpecjaxError, match='must be int8'):
+    cpu_kernel.qmatmul(x, values.astype(jnp.float32), scales, bits=8, group=32)
