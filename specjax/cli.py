@@ -72,7 +72,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
       '--quant',
       default=None,
       choices=('none', 'auto', 'int8', 'int4'),
-      help="weight quantization: int8 (a scale per output channel), int4 (a scale per --quant-group inputs), auto "
+      help='weight quantization: int8 (a scale per output channel), int4 (a scale per --quant-group inputs), auto '
       "(a GGUF file's own blocks); default none (float; GGUF dequantized)",
   )
   p.add_argument('--quant-group', type=int, default=32, help='inputs per int4 scale (default 32)')
