@@ -147,14 +147,16 @@ def spec_bench():
 # Mutants of `specjax/verify.py`: each is the module's source with these (old, new) lines swapped, one edit of the
 # chain verifier (`verify`) and one of the tree verifier (`verify_tree`) or its `rejection_residual`. Every site
 # must occur exactly once, so a change to verify.py that moves one fails loudly instead of testing nothing.
-VERIFIER_MUTANTS = {
-    # Greedy: every valid draft is accepted, matching the target's argmax or not.
+# Greedy: every valid draft is accepted, matching the target's argmax or not (not a sampled-law mutant).
+GREEDY_MUTANTS = {
     'greedy-accepts-all': (
         (
             'n_accepted = leading_true((drafts == target[:, :k]) & valid)',
             'n_accepted = leading_true(valid)',
         ),
     ),
+}
+VERIFIER_MUTANTS = {
     # At a rejection, draw from p instead of norm(max(0, p - q)) (the tree: r is never reduced by q).
     'residual-not-reduced': (
         ('residual = jnp.maximum(p_at - q_at, 0.0)', 'residual = p_at'),
@@ -199,7 +201,7 @@ def mutant_verifier(name: str):
   from specjax import verify as verify_lib
 
   source = inspect.getsource(verify_lib)
-  for old, new in VERIFIER_MUTANTS[name]:
+  for old, new in {**VERIFIER_MUTANTS, **GREEDY_MUTANTS}[name]:
     assert source.count(old) == 1, f'mutant {name}: {old!r} is not in specjax/verify.py once; update VERIFIER_MUTANTS'
     source = source.replace(old, new)
   module = types.ModuleType(f'verify_mutant_{name.replace("-", "_")}')

@@ -17,8 +17,9 @@ from specjax.models.contract import StepInputs
 from specjax.quant import ops
 from specjax.quant.formats import QMatrix, dequantize, quantize
 from specjax.quant.gguf import REPACKED, repack
-from conftest import TINY, mutated_verifier
+from conftest import FIXTURES, TINY, mutated_verifier
 from test_gguf import random_k_blocks, write_gguf
+from test_scheduler import FAMILIES
 
 DEMO_GGUF_TYPES = ('Q8_0', 'Q5_0', 'Q4_K', 'Q6_K')  # what the real Gemma 3 270M file holds
 
@@ -201,3 +202,25 @@ def test_cli_quant_flags(capsys):
   code = cli.main(['generate', '-m', TINY, '--prompt', 'Hello', '--quant', 'int4', '--quant-group', '96'])
   out, err = capsys.readouterr()
   assert code != 0 and 'int4 groups of 96 do not divide' in err and 'Hello' not in out
+
+
+@pytest.mark.parametrize('case', list(FAMILIES))
+def test_every_family_greedy_equals_quantized_autoregressive(case):
+  """Every drafter family over an int8 target (and its head's projections requantized to int8, the default):
+  greedy speculative tokens equal that target's AR tokens; with a verifier that accepts every draft they do not."""
+  kind, path, options = FAMILIES[case]
+  target = specjax.load(f'{FIXTURES}/{path}', quant='int8', **({'mtp': True} if kind == 'mtp' else {}))
+  if options.get('draft_model') == 'perturbed':
+    options = {'draft_model': TINY}
+  drafter = make_drafter(kind, target, **options)
+  if kind not in ('ngram', 'layer-skip'):  # those draft with the target's own weights
+    params = drafter.model.params if kind == 'draft-model' else drafter.params()
+    leaves = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, QMatrix))
+    assert any(isinstance(v, QMatrix) for v in leaves) == ops.uses_kernel(), case
+  want = [r.tokens for r in specjax.Engine(target, page_size=4).generate(PROMPTS, max_new_tokens=16)[0]]
+  engine = specjax.Engine(target, page_size=4, drafter=drafter)
+  results, _ = engine.generate(PROMPTS, max_new_tokens=16, num_draft=3)
+  assert [r.tokens for r in results] == want, case
+  with mutated_verifier('greedy-accepts-all', engine):
+    mutant, _ = engine.generate(PROMPTS, max_new_tokens=16, num_draft=3)
+  assert [r.tokens for r in mutant] != want, case

@@ -40,7 +40,7 @@ from flax import nnx
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
-from specjax.drafters.registry import DrafterFamily, checkpoint_option, local_config, option
+from specjax.drafters.registry import DrafterFamily, checkpoint_option, local_config, option, quant_option, quantize_head
 from specjax.errors import SpecjaxError
 from specjax.models.contract import StepInputs
 from specjax.models.dflash import block_mask, greedy_choice, place
@@ -158,6 +158,7 @@ def block_size_of(ckpt: Any) -> int | None:
 @dataclasses.dataclass(frozen=True, eq=False)
 class DFlashOptions:
   draft_model: Any = checkpoint_option()
+  draft_quant: str | None = quant_option()
   draft_sampling: str = option(
       'auto',
       '--draft-sampling',
@@ -195,7 +196,7 @@ def _build(target, options: DFlashOptions) -> DFlashDrafter:
   probabilistic = options.draft_sampling != 'greedy' and bool(cfg.selector_rank)
   return DFlashDrafter(
       graphdef=ckpt.graphdef,
-      draft_params=ckpt.params,
+      draft_params=quantize_head(target, ckpt.params, options),
       taps=cfg.taps,
       block_size=cfg.block_size,
       mask_token_id=cfg.mask_token_id,

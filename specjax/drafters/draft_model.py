@@ -22,10 +22,9 @@ from flax import nnx
 from specjax import sampling as sampling_lib
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal, chain_scan, token_window
-from specjax.drafters.registry import DrafterFamily, checkpoint_option, option
+from specjax.drafters.registry import DrafterFamily, checkpoint_option, draft_quant_for, quant_option
 from specjax.errors import SpecjaxError
 from specjax.models.base import Model
-from specjax.quant.formats import QUANT_CHOICES
 from specjax.sampling import STREAM_SAMPLE
 
 
@@ -145,31 +144,11 @@ class DraftModelDrafter(Drafter):
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftModelOptions:
   draft_model: Any = checkpoint_option()
-  draft_quant: str | None = option(
-      None,
-      '--draft-quant',
-      type=str,
-      help="the draft model's weight quantization: none, int8, int4 or auto (a GGUF file's own blocks); "
-      "default: the target's (int8 for a safetensors draft of a GGUF target)",
-  )
+  draft_quant: str | None = quant_option()
 
   def validate(self) -> None:
     if self.draft_model is None:
       raise SpecjaxError('--drafter draft-model needs --draft-model PATH')
-    if self.draft_quant not in (None, *QUANT_CHOICES):
-      raise SpecjaxError(f'--draft-quant must be one of {", ".join(QUANT_CHOICES)}, got {self.draft_quant!r}')
-
-
-def draft_quant_for(target: Model, draft_path: str, asked: str | None) -> tuple[str | None, int]:
-  """(quant, int4 group) of a draft model: what was asked, else the target's (a GGUF target's 'auto' gives a
-  GGUF draft its own blocks and a safetensors draft int8)."""
-  if asked is not None or not target.quant:
-    return asked, 32
-  if target.quant.startswith('int4-g'):
-    return 'int4', int(target.quant[len('int4-g') :])
-  if target.quant.startswith('auto'):
-    return ('auto' if draft_path.endswith('.gguf') else 'int8'), 32
-  return target.quant, 32
 
 
 def _build(target: Model, options: DraftModelOptions) -> DraftModelDrafter:
@@ -177,7 +156,7 @@ def _build(target: Model, options: DraftModelOptions) -> DraftModelDrafter:
   if isinstance(draft, str):
     from specjax.loading import load
 
-    quant, group = draft_quant_for(target, draft, options.draft_quant)
+    quant, group = draft_quant_for(target, options.draft_quant, gguf=draft.endswith('.gguf'))
     draft = load(draft, dtype=str(target.dtype) if target.dtype is not None else None, quant=quant, quant_group=group)
   elif options.draft_quant is not None:
     raise SpecjaxError('--draft-quant applies to a draft model loaded from a path; this one is already loaded')

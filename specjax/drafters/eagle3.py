@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.drafters.head import HeadDrafter, TreeOptions, check_tree_target
-from specjax.drafters.registry import DrafterFamily, checkpoint_option
+from specjax.drafters.registry import DrafterFamily, checkpoint_option, quant_option, quantize_head
 from specjax.errors import SpecjaxError
 
 
@@ -64,6 +64,7 @@ class Eagle3Drafter(HeadDrafter):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Eagle3Options(TreeOptions):
   draft_model: Any = checkpoint_option()
+  draft_quant: str | None = quant_option()
 
   def validate(self) -> None:
     if self.draft_model is None:
@@ -81,7 +82,7 @@ def _build(target, options: Eagle3Options) -> Eagle3Drafter:
   target_ids = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) + jnp.asarray(ckpt.d2t, jnp.int32)
   return Eagle3Drafter(
       graphdef=ckpt.graphdef,
-      head_params=ckpt.params,
+      head_params=quantize_head(target, ckpt.params, options),
       target_ids=target_ids,
       vocab_size=target.config.vocab_size,
       has_embedding=cfg.has_embedding,

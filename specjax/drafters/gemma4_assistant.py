@@ -30,7 +30,7 @@ from flax import nnx
 
 from specjax import sampling as sampling_lib
 from specjax.drafters.base import BatchPlan, DraftContext, Drafter, Proposal
-from specjax.drafters.registry import DrafterFamily, checkpoint_option
+from specjax.drafters.registry import DrafterFamily, checkpoint_option, quant_option, quantize_head
 from specjax.errors import SpecjaxError
 from specjax.models.contract import PagedKV
 from specjax.sampling import STREAM_SAMPLE
@@ -100,6 +100,7 @@ class Gemma4AssistantDrafter(Drafter):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Gemma4AssistantOptions:
   draft_model: Any = checkpoint_option()
+  draft_quant: str | None = quant_option()
 
   def validate(self) -> None:
     if self.draft_model is None:
@@ -133,7 +134,7 @@ def _build(target, options: Gemma4AssistantOptions) -> Gemma4AssistantDrafter:
   check(ckpt.config, ckpt.source)
   return Gemma4AssistantDrafter(
       graphdef=ckpt.graphdef,
-      assistant_params=ckpt.params,
+      assistant_params=quantize_head(target, ckpt.params, options),
       donors=tuple(sorted(donors.items())),
       hidden_size=target.config.hidden_size,
       default_depth=ckpt.config.num_assistant_tokens,

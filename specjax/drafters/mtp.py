@@ -15,7 +15,7 @@ from typing import Any
 from flax import nnx
 
 from specjax.drafters.head import HeadDrafter, TreeOptions, check_tree_target
-from specjax.drafters.registry import DrafterFamily, checkpoint_option
+from specjax.drafters.registry import DrafterFamily, checkpoint_option, quant_option, quantize_head
 from specjax.errors import SpecjaxError
 
 
@@ -56,6 +56,7 @@ class MTPOptions(TreeOptions):
   """The head: the checkpoint's built-in one, or a trained one (`specjax train`'s export); depth is the step's K."""
 
   draft_model: Any = checkpoint_option()
+  draft_quant: str | None = quant_option()
 
 
 def _build(target, options: MTPOptions) -> MTPDrafter:
@@ -65,6 +66,7 @@ def _build(target, options: MTPOptions) -> MTPDrafter:
     graphdef, params = load_mtp_head(options.draft_model, target)
   else:
     graphdef, params = target.heads['mtp']
+  params = quantize_head(target, params, options)
   return MTPDrafter(
       graphdef=graphdef, head_params=params, feature_size=target.config.hidden_size, **options.tree_shape()
   )

@@ -16,6 +16,7 @@ import os
 from typing import Any, Callable
 
 from specjax.errors import SpecjaxError
+from specjax.quant.formats import QUANT_CHOICES
 
 
 def option(default: Any, *flags: str, help: str, type: type | None = None, **extra) -> Any:  # noqa: A002
@@ -37,6 +38,44 @@ def checkpoint_option() -> Any:
       '--drafter, a local EAGLE-3, DFlash or Gemma 4 assistant checkpoint selects its family from config.json '
       'architectures',
   )
+
+
+def quant_option() -> Any:
+  """`--draft-quant`: how the families that load a checkpoint quantize its projections (default: as the target)."""
+  return option(
+      None,
+      '--draft-quant',
+      type=str,
+      help="the drafter's weight quantization: none, int8, int4, or auto (a GGUF draft model's own blocks); "
+      "default: the target's (int8 where the target runs a GGUF file's blocks and the drafter is not a GGUF "
+      'file); heads quantize their attention and MLP projections, not their embedding or head',
+  )
+
+
+def draft_quant_for(target, asked: str | None, *, gguf: bool = False) -> tuple[str | None, int]:
+  """(quant, int4 group) of a drafter: `asked` (`--draft-quant`), else the target's quantization."""
+  if asked == 'none' or (asked is None and not getattr(target, 'quant', None)):
+    return None, 32
+  if asked is not None:
+    if asked == 'auto' and not gguf:
+      raise SpecjaxError("--draft-quant auto keeps a GGUF draft model's blocks; this drafter is not a GGUF file")
+    return asked, 32
+  if target.quant.startswith('int4-g'):
+    return 'int4', int(target.quant[len('int4-g') :])
+  if target.quant.startswith('auto'):
+    return ('auto' if gguf else 'int8'), 32
+  return target.quant, 32
+
+
+def quantize_head(target, params, options) -> Any:
+  """A drafter head's `Weight` projections quantized as `--draft-quant` or the target says (in place)."""
+  from specjax.quant.params import quantize_params, settle
+
+  quant, group = draft_quant_for(target, options.draft_quant)
+  if quant is not None:
+    quantize_params(params, quant, group=group, embedding=False)
+    settle(params, getattr(target, 'dtype', None) or 'float32')
+  return params
 
 
 # A checkpoint's `architectures` -> the family that reads it (mistral.rs picks DFlash from --mtp-model so).
@@ -92,6 +131,8 @@ class DrafterFamily:
           f'(options: {", ".join(sorted(fields)) or "none"})'
       )
     options = self.options(**{k: v for k, v in values.items() if v is not None})
+    if getattr(options, 'draft_quant', None) not in (None, *QUANT_CHOICES):
+      raise SpecjaxError(f'--draft-quant must be one of {", ".join(QUANT_CHOICES)}, got {options.draft_quant!r}')
     if hasattr(options, 'validate'):
       options.validate()
     return options

@@ -13,9 +13,8 @@ from flax import nnx
 from specjax.errors import SpecjaxError
 from specjax.loading.checkpoint import Checkpoint, GenerationDefaults  # noqa: F401 (specjax.loading API)
 from specjax.loading.registry import DEMO_MODELS, family_for
-from specjax.quant import ops
 from specjax.quant.formats import QUANT_CHOICES, QMatrix, to_device
-from specjax.quant.params import dequantize_params, quantize_params, quantized_kinds
+from specjax.quant.params import quantize_params, quantized_kinds, settle
 
 HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')
 
@@ -264,9 +263,7 @@ def describe_quant(state: nnx.State, quant: str, group: int, dtype) -> str | Non
   kinds = quantized_kinds(state)
   if not kinds:
     return None
-  if ops.dequantize_at_load():
-    dequantize_params(state, dtype)
-    ops.warn_once(f'warning: {ops.kernel_status()}; quantized weights are dequantized at load (float speed)')
+  settle(state, dtype)
   if quant == 'auto':
     return 'auto: ' + ', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))
   return f'int4-g{group}' if quant == 'int4' else quant

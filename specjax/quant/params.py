@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.quant import ops
 from specjax.quant.formats import QMatrix, dequantize, quantize, to_device
 
 EMBEDDING_NAMES = frozenset({'embed_tokens', 'lm_head'})  # the embedding and the (tied or own) head
@@ -35,6 +36,14 @@ def dequantize_params(state: nnx.State, dtype) -> nnx.State:
       w = dequantize(q, dtype)
       var.set_value(w if q.out_axis == 0 else jnp.transpose(w))
   return state
+
+
+def settle(state: nnx.State, dtype) -> None:
+  """Where the CPU kernel is missing (impl 'auto'), dequantizes the quantized weights now, with one warning line:
+  XLA:CPU would materialise them in float on every call."""
+  if quantized_kinds(state) and ops.dequantize_at_load():
+    dequantize_params(state, dtype)
+    ops.warn_once(f'warning: {ops.kernel_status()}; quantized weights are dequantized at load (float speed)')
 
 
 def quantized_kinds(state: nnx.State) -> dict[str, int]:
