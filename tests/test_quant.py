@@ -204,6 +204,7 @@ def test_cli_quant_flags(capsys):
   assert code != 0 and 'int4 groups of 96 do not divide' in err and 'Hello' not in out
 
 
+@pytest.mark.extended  # not yet run: written at the session's end (see the closing note)
 @pytest.mark.parametrize('case', list(FAMILIES))
 def test_every_family_greedy_equals_quantized_autoregressive(case):
   """Every drafter family over an int8 target (and its head's projections requantized to int8, the default):
