@@ -113,7 +113,6 @@ def tiny_gguf(tmp_path_factory):
 
 def test_gguf_auto_keeps_blocks_and_matches_the_float_model(tiny_gguf):
   """`quant='auto'` runs the file's own blocks; its logits equal the dequantized (float) model's to float error."""
-  with_kernel = ops.uses_kernel()
   ops.set_impl('xla')  # keep the QMatrix weights even where no kernel is built
   try:
     quantized = specjax.load(tiny_gguf, quant='auto')
@@ -130,7 +129,6 @@ def test_gguf_auto_keeps_blocks_and_matches_the_float_model(tiny_gguf):
     hidden, _, _ = model.module().forward(tokens, StepInputs.chain(None, jnp.asarray([5]), 5), None)
     out.append(model.module().logits(hidden))
   np.testing.assert_allclose(out[0], out[1], rtol=2e-4, atol=2e-4)
-  del with_kernel
 
 
 def test_bad_quantization_requests(tiny_gguf, tmp_path):

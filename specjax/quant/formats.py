@@ -184,7 +184,6 @@ def pack4(nibbles: np.ndarray, group: int) -> np.ndarray:  # [N, K] values 0..15
   return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
 
 
-def to_device(q: QMatrix, dtype=None) -> QMatrix:
-  """Host arrays -> jax arrays (scales and mins in `dtype` when given, values as stored)."""
-  cast = lambda x: None if x is None else jnp.asarray(x, dtype)
-  return dataclasses.replace(q, values=jnp.asarray(q.values), scales=cast(q.scales), mins=cast(q.mins))
+def to_device(q: QMatrix) -> QMatrix:
+  """Host arrays -> jax arrays, dtypes as stored (float32 scales and mins)."""
+  return jax.tree.map(jnp.asarray, q)
