@@ -147,13 +147,15 @@ def spec_bench():
 # Mutants of `specjax/verify.py`: each is the module's source with these (old, new) lines swapped, one edit of the
 # chain verifier (`verify`) and one of the tree verifier (`verify_tree`) or its `rejection_residual`. Every site
 # must occur exactly once, so a change to verify.py that moves one fails loudly instead of testing nothing.
-# Greedy: every valid draft is accepted, matching the target's argmax or not (not a sampled-law mutant).
+# Greedy: every valid draft (tree: every live node on the path) is accepted, matching the target's argmax or not
+# (not a sampled-law mutant).
 GREEDY_MUTANTS = {
     'greedy-accepts-all': (
         (
             'n_accepted = leading_true((drafts == target[:, :k]) & valid)',
             'n_accepted = leading_true(valid)',
         ),
+        ('nodes[:2] + ((live & matches).T[1:],)', 'nodes[:2] + (live.T[1:],)'),
     ),
 }
 VERIFIER_MUTANTS = {

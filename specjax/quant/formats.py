@@ -171,10 +171,37 @@ def quantize(w: np.ndarray, mode: str, *, out_axis: int, group: int = 32) -> QMa
     raise SpecjaxError(f'unknown quantization {mode!r} (choose from {", ".join(QUANT_MODES)})')
   if k % group or group % 2:
     raise SpecjaxError(f'int4 groups of {group} do not divide a weight of {k} inputs (shape {tuple(w.shape)})')
-  blocks = storage.reshape(n, k // group, group)
-  scale = np.abs(blocks).max(axis=2) / 7.0
-  v = np.round(blocks / np.where(scale == 0, 1.0, scale)[..., None]).clip(-8, 7).astype(np.int8)
-  return QMatrix(pack4(v.reshape(n, k) + 8, group), scale.astype(np.float32), None, 4, group, 8, out_axis, 'int4')
+  blocks = storage.reshape(-1, group)
+  chunk = max(1, (1 << 25) // group)  # groups per call: bounded memory, a few compiled shapes
+  parts = [_int4_search(jnp.asarray(blocks[i : i + chunk])) for i in range(0, len(blocks), chunk)]
+  scale = np.concatenate([np.asarray(s) for s, _ in parts]).reshape(n, k // group)
+  v = np.concatenate([np.asarray(v) for _, v in parts]).reshape(n, k)
+  return QMatrix(pack4(v + 8, group), scale, None, 4, group, 8, out_axis, 'int4')
+
+
+@jax.jit
+def _int4_search(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:  # [R, G] -> scale [R], levels int8 [R, G]
+  """Symmetric int4 levels (-8..7) and a scale per group, least squares over 19 candidate grids.
+
+  Grid i maps the group's largest-magnitude weight x_max to -(8 + 0.1 i) for i in -9..9 (the sign chosen so that
+  -8, the level without a +8 twin, can hold it); for its levels l the best scale is d = <x, l> / <l, l>, leaving
+  an error |x|^2 - <x, l>^2 / <l, l>; the grid with the least error wins (llama.cpp's search for its symmetric
+  4-bit types).
+  """
+  peak = jnp.take_along_axis(blocks, jnp.argmax(jnp.abs(blocks), axis=1)[:, None], axis=1)[:, 0]  # [R]
+  peak = jnp.where(peak == 0, 1.0, peak)
+  best = (jnp.full(peak.shape, -1.0), jnp.zeros(peak.shape), jnp.zeros(blocks.shape, jnp.int8))
+  for i in range(-9, 10):
+    levels = jnp.clip(jnp.round(blocks * (-(8.0 + 0.1 * i) / peak)[:, None]), -8, 7)
+    xl, ll = jnp.sum(blocks * levels, axis=1), jnp.maximum(jnp.sum(levels * levels, axis=1), 1.0)
+    gain = xl * xl / ll  # the error this grid removes
+    better = gain > best[0]
+    best = (
+        jnp.where(better, gain, best[0]),
+        jnp.where(better, xl / ll, best[1]),
+        jnp.where(better[:, None], levels.astype(jnp.int8), best[2]),
+    )
+  return best[1].astype(jnp.float32), best[2]
 
 
 def pack4(nibbles: np.ndarray, group: int) -> np.ndarray:  # [N, K] values 0..15 -> uint8 [N, K / 2]
