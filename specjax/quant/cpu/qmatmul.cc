@@ -425,17 +425,23 @@ bool VnniFits(int64_t bits, int64_t group) {
 // 16 channels [n0, n0 + 16) x rows [m0, m0 + MT): lane j of each vector is channel n0 + j. The integer dot of a
 // block is exact (vpdpbusd of unsigned weight bytes with q: int8 v as v + 128, then - 128 * qsum; int4 nibbles
 // u, then - offset * qsum), and the float steps are ActGeneric's, lane by lane.
-template <int kBits, bool kMins, int MT>
+template <int kBits, bool kMins, int MT, int B>
 void ActTile(const Problem& p, const Act& a, int64_t m0, int64_t n0) {
-  const int64_t K = p.k, G = p.group, groups = K / G, B = a.block, nb = a.blocks;
+  const int64_t K = p.k, G = p.group, groups = K / G, nb = a.blocks;
   const int64_t stride = kBits == 8 ? K : K / 2;
   const uint8_t* w = static_cast<const uint8_t*>(p.values) + n0 * stride;
   const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                         _mm512_set1_epi32(static_cast<int32_t>(groups)));
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), low = _mm512_set1_epi8(15);
-  // Software prefetch of the next tile's weight rows, a line at a time (the head ran 17 / 23 / 18 ms at M = 1
-  // with it, without it, and two tiles ahead, on one thread of a busy 2-core Xeon).
+  // Software prefetch of the next tile's weight rows (16 contiguous rows), in step with this tile: a line per 64
+  // bytes consumed (the head ran 17 / 23 / 18 ms at M = 1 with a prefetch, without, and two tiles ahead, on one
+  // thread of a busy 2-core Xeon).
   const bool prefetch = n0 + 32 <= p.n;
+  const char* pf = reinterpret_cast<const char*>(w + 16 * stride);
+  auto ahead = [&](int64_t bytes) {  // bytes of this tile just consumed (a multiple of 64)
+    if (prefetch)
+      for (int64_t i = 0; i < bytes; i += 64, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
+  };
   __m512 acc[MT];
   __m512i sc4[4], mn4[4];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
@@ -454,12 +460,11 @@ void ActTile(const Problem& p, const Act& a, int64_t m0, int64_t n0) {
     if constexpr (kBits == 8) {
       for (int64_t b = k0 / B; b < (k0 + G) / B; ++b) {
         const int64_t k = b * B;
-        if (prefetch && k % 64 == 0)
-          for (int j = 0; j < 16; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (16 + j) * stride + k), _MM_HINT_T0);
+        ahead(16 * B);
         for (int m = 0; m < MT; ++m) s[m] = _mm512_setzero_si512();
         __m512i t[8];
-        const int P = B == 32 ? 8 : 4;
-        if (P == 8) Transpose<8>(w + k, stride, t); else Transpose<4>(w + k, stride, t);
+        constexpr int P = B / 4;
+        Transpose<P>(w + k, stride, t);
         for (int l = 0; l < P; ++l) {
           const __m512i u = _mm512_xor_si512(t[l], flip);
           for (int m = 0; m < MT; ++m) s[m] = _mm512_dpbusd_epi32(s[m], u, Q4(a, K, m0 + m, k + 4 * l));
@@ -468,8 +473,7 @@ void ActTile(const Problem& p, const Act& a, int64_t m0, int64_t n0) {
       }
     } else if (G == 32) {  // one block: 16 bytes, low nibbles k0 .. k0 + 15, high ones k0 + 16 .. k0 + 31
       const int64_t off = k0 / 2;
-      if (prefetch && off % 64 == 0)
-        for (int j = 0; j < 16; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (16 + j) * stride + off), _MM_HINT_T0);
+      ahead(256);
       for (int m = 0; m < MT; ++m) s[m] = _mm512_setzero_si512();
       __m512i t[4];
       Transpose<4>(w + off, stride, t);
@@ -486,8 +490,7 @@ void ActTile(const Problem& p, const Act& a, int64_t m0, int64_t n0) {
       __m512i high[MT][16];
       for (int64_t j = 0; j < h; ++j) {
         const int64_t off = k0 / 2 + 32 * j;
-        if (prefetch && off % 64 == 0)
-          for (int c = 0; c < 16; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + (16 + c) * stride + off), _MM_HINT_T0);
+        ahead(512);
         __m512i t[8], sh[MT];
         for (int m = 0; m < MT; ++m) s[m] = sh[m] = _mm512_setzero_si512();
         Transpose<8>(w + off, stride, t);
@@ -528,7 +531,13 @@ void ActTile(const Problem& p, const Act& a, int64_t m0, int64_t n0) {
 
 template <int kBits, bool kMins, int MT>
 void ActRows(const Problem& p, const Act& a, int64_t m0, int64_t na, int64_t nb) {
-  for (int64_t n = na; n + 16 <= nb; n += 16) ActTile<kBits, kMins, MT>(p, a, m0, n);
+  for (int64_t n = na; n + 16 <= nb; n += 16) {
+    if (kBits == 8 && a.block == 16) {
+      ActTile<kBits, kMins, MT, 16>(p, a, m0, n);
+    } else {
+      ActTile<kBits, kMins, MT, 32>(p, a, m0, n);
+    }
+  }
 }
 #endif
 
@@ -616,16 +625,16 @@ ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const Problem p{x.typed_data(), values.untyped_data(), scales.typed_data(), has_mins ? mins.typed_data() : nullptr,
                   y->typed_data(), M, K, N, group, static_cast<int>(offset)};
   const int64_t threads = M * N * K < (1 << 18) ? 1 : Threads(pool);
-  if (act_bits == 8) {  // rows quantized once, here; then blocks of 128 channels (whole VNNI tiles)
+  if (act_bits == 8) {  // rows quantized once, here; then blocks of whole VNNI tiles, at least 4 per thread
     Act a;
     QuantizeRows(p, bits, static_cast<int>(mutant), a);
     const ActFn fn = SelectAct(bits, has_mins);
-    constexpr int64_t kBlock = 128;
+    const int64_t kBlock = 16 * std::clamp<int64_t>((N + 16 * 4 * threads - 1) / (16 * 4 * threads), 1, 8);
     if (threads == 1) {
       fn(p, a, 0, N);
     } else {
       ParallelFor(pool, threads, (N + kBlock - 1) / kBlock,
-                  [&p, &a, fn, N](int64_t b) { fn(p, a, b * kBlock, std::min(N, (b + 1) * kBlock)); });
+                  [&p, &a, fn, N, kBlock](int64_t b) { fn(p, a, b * kBlock, std::min(N, (b + 1) * kBlock)); });
     }
     return ffi::Error::Success();
   }
