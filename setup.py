@@ -23,7 +23,7 @@ setup(
             sources=['specjax/quant/cpu/qmatmul.cc'],
             include_dirs=ffi_include(),
             language='c++',
-            extra_compile_args=['-std=c++17', '-O3', '-march=native', '-fno-math-errno', '-w'],
+            extra_compile_args=['-std=c++17', '-O3', '-march=native', '-fno-math-errno', '-ffp-contract=off', '-w'],
             optional=True,
         )
     ]

@@ -1,6 +1,7 @@
 """Decode speed and next-token agreement of quantized Gemma 3 270M, against float32 and llama.cpp, in one run.
 
-  python benchmarks/quant_decode.py [--arms f32 auto int8 int4 llamacpp] [--max-new-tokens 64] [--repeats 2]
+  python benchmarks/quant_decode.py [--arms f32 auto int8 int4 auto-act8 int8-act8 int4-act8 llamacpp]
+      [--max-new-tokens 64] [--repeats 2]
       [--json benchmarks/results/quant_decode_cpu.json]
 
 Arms (greedy, batch 1, CPU, the three prompts of benchmarks/decode.py, best of `--repeats` after a warm-up):
@@ -9,6 +10,8 @@ Arms (greedy, batch 1, CPU, the three prompts of benchmarks/decode.py, best of `
   auto      the file's own blocks (`quant='auto'`: Q8_0 embedding / tied head, Q5_0, Q4_K, Q6_K projections);
   int8      the float32 weights requantized: int8, a scale per output channel (embedding included);
   int4      the same at int4, a scale per 32 inputs;
+  *-act8    auto, int8, int4 with act int8 (`quant_act='int8'`: activations quantized per block of 32 inputs,
+            integer dot products on the CPU kernel, as llama.cpp does);
   llamacpp  llama.cpp's own server (`xllamacpp`, 2 threads) on the same GGUF: its reported decode tok/s.
 
 Per specjax arm: decode tok/s (tokens after the first over decode time), weight bytes, whether the CPU kernel ran,
@@ -31,17 +34,21 @@ from decode import PROMPTS  # noqa: E402
 import specjax  # noqa: E402
 from specjax.provenance import device_description, git_info, now, package_versions  # noqa: E402
 from specjax.quant import ops  # noqa: E402
-from specjax.quant.params import quantize_params  # noqa: E402
+from specjax.quant.params import quantize_params, set_act  # noqa: E402
 
 MODEL = 'gemma-3-270m'
 
 
 def load_arm(arm: str):
+  arm, act8 = arm.removesuffix('-act8'), arm.endswith('-act8')
   if arm in ('f32', 'auto'):
-    return specjax.load(MODEL, quant=None if arm == 'f32' else 'auto')
+    return specjax.load(MODEL, quant=None if arm == 'f32' else 'auto', quant_act='int8' if act8 else 'float')
   model = specjax.load(MODEL)  # float32, then requantized (the file itself is already quantized)
   quantize_params(model.params, arm, group=32)
-  return dataclasses.replace(model, quant=arm if arm == 'int8' else 'int4-g32')
+  if act8:
+    set_act(model.params, 'int8')
+  quant = (arm if arm == 'int8' else 'int4-g32') + (', act int8' if act8 else '')
+  return dataclasses.replace(model, quant=quant)
 
 
 def run_specjax(arm: str, max_new: int, repeats: int) -> dict:
@@ -110,7 +117,8 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument('--arms', nargs='+', default=['f32', 'auto', 'int8', 'int4', 'llamacpp'])
+  arms = ['f32', 'auto', 'int8', 'int4', 'auto-act8', 'int8-act8', 'int4-act8', 'llamacpp']
+  ap.add_argument('--arms', nargs='+', default=arms)
   ap.add_argument('--max-new-tokens', type=int, default=64)
   ap.add_argument('--repeats', type=int, default=2)
   ap.add_argument('--json')
@@ -143,7 +151,7 @@ def main() -> None:
       out['vs_llamacpp'] = round(out['decode_tok_s'] / arms['llamacpp']['decode_tok_s'], 3)
   for arm, out in arms.items():
     print(
-        f'{arm:9s} {out["decode_tok_s"]:7.2f} tok/s  {out["weight_bytes"] / 1e6:7.1f} MB  '
+        f'{arm:10s} {out["decode_tok_s"]:7.2f} tok/s  {out["weight_bytes"] / 1e6:7.1f} MB  '
         f'vs llama.cpp {out.get("vs_llamacpp")}  agreement {out.get("greedy_agreement_vs_f32")}'
     )
   if args.json:

@@ -77,6 +77,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument('--quant-group', type=int, default=32, help='inputs per int4 scale (default 32)')
   p.add_argument(
+      '--quant-act',
+      default='float',
+      choices=('float', 'int8'),
+      help='activations of the quantized products: float (default), or int8 (a scale per 32 inputs, integer dot '
+      'products, as llama.cpp; needs --quant)',
+  )
+  p.add_argument(
       '--no-quant-embedding',
       dest='quant_embedding',
       action='store_false',
@@ -190,8 +197,16 @@ def sampling_from_args(args):
 
 
 def quant_args(args) -> dict:
-  """`load`'s quantization arguments from the flags."""
-  return dict(quant=args.quant, quant_group=args.quant_group, quant_embedding=args.quant_embedding)
+  """`load`'s quantization arguments from the flags (a bad combination fails here, before any weight is read)."""
+  from specjax.loading import check_quant_act
+
+  check_quant_act(args.quant, args.quant_act)
+  return dict(
+      quant=args.quant,
+      quant_group=args.quant_group,
+      quant_embedding=args.quant_embedding,
+      quant_act=args.quant_act,
+  )
 
 
 def cmd_generate(args) -> int:

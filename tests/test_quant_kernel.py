@@ -97,3 +97,90 @@ def test_bad_shapes():
     cpu_kernel.qmatmul(x, values.view(jnp.uint8), scales, bits=4, group=32)
   with pytest.raises(SpecjaxError, match='must be int8'):
     cpu_kernel.qmatmul(x, values.astype(jnp.float32), scales, bits=8, group=32)
+
+
+# ---------------------------------------------------------------- act int8: activations quantized per block
+# (bits, G, K): every VNNI tile shape (int8 with B 16 / 32, int4 G 32 / 64 / 128) and the generic ones (int8 G 22
+# and 48 -> B 22 and 16 with a group of 3 blocks, int4 G 16 and 48), K no multiple of 64 where G allows.
+ACT8_CASES = [
+    (8, 16, 208),
+    (8, 32, 352),
+    (8, 48, 336),
+    (8, 64, 448),
+    (8, 352, 352),
+    (8, 22, 66),
+    (4, 16, 208),
+    (4, 32, 352),
+    (4, 48, 336),
+    (4, 64, 448),
+    (4, 128, 384),
+]
+
+
+def act8(x, values, scales, lows, *, bits, group, offset, mutant=0):
+  return np.asarray(
+      cpu_kernel.qmatmul(x, values, scales, lows, bits=bits, group=group, offset=offset, act_bits=8, _mutant=mutant)
+  )
+
+
+def bits_equal(a, b) -> bool:
+  return a.shape == b.shape and np.array_equal(np.asarray(a, np.float32).view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize('bits,group,k', ACT8_CASES, ids=lambda v: str(v))
+def test_act8_equals_the_numpy_reference_bit_for_bit(bits, group, k):
+  """Every bits / group / offset / mins, M = 1, 2, 5, 8, an odd N (VNNI tiles of 16 and a tail): the kernel's bits
+  are `qmatmul_act8_reference`'s; and close to the float64 product of the same weight."""
+  rng = np.random.default_rng(bits * 1000 + group)
+  for offset in (0, 8) if bits == 4 else (0,):
+    for mins in (False, True):
+      (values, scales, lows), w = quantized(rng, 45, k, bits=bits, group=group, offset=offset, mins=mins)
+      for m in (1, 2, 5, 8):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[0, :16] *= 20.0  # a large block next to ordinary ones
+        y = act8(x, values, scales, lows, bits=bits, group=group, offset=offset)
+        want = cpu_kernel.qmatmul_act8_reference(x, values, scales, lows, bits=bits, group=group, offset=offset)
+        assert bits_equal(y, want), (offset, mins, m, np.abs(y - want).max())
+        exact = x.astype(np.float64) @ w.T  # act int8 rounds x to 8 bits a block: within 1% of the product's scale
+        assert np.abs(y - exact).max() <= 0.01 * (np.abs(x) @ np.abs(w).T).max()
+
+
+@pytest.mark.parametrize('bits,group', [(8, 32), (8, 256), (8, 16), (4, 32), (4, 64), (4, 16)])
+def test_act8_rows_bitwise_independent_of_m(bits, group):
+  """Act int8 as float activations: a row's bits alone (M = 1), among 4 or 9, or under other rows, with enough
+  channels to split the work over threads."""
+  rng = np.random.default_rng(group)
+  kw = dict(bits=bits, group=group, offset=8 if bits == 4 else 0)
+  (values, scales, lows), _ = quantized(rng, 2000, 256, mins=bits == 4, **kw)
+  x = rng.standard_normal((9, 256)).astype(np.float32)
+  f = jax.jit(lambda x: cpu_kernel.qmatmul(x, values, scales, lows, **kw, act_bits=8))
+  y = np.asarray(f(x))
+  for i in range(9):
+    assert bits_equal(f(x[i : i + 1]), y[i : i + 1]), i
+  assert bits_equal(f(x[2:6]), y[2:6])
+  other = np.concatenate([100.0 * rng.standard_normal((3, 256)).astype(np.float32), x[4:5]])
+  assert bits_equal(np.asarray(f(other))[3], y[4])
+
+
+def test_act8_mutant_row_scale_shared_across_rows_is_caught():
+  """The checks above fail on a kernel whose block scale is shared by all rows (`_mutant=1`: a row's bits then
+  depend on M and on the other rows): it leaves the numpy reference and changes a row's bits with M."""
+  rng = np.random.default_rng(3)
+  kw = dict(bits=4, group=32, offset=8)
+  (values, scales, lows), _ = quantized(rng, 45, 352, mins=False, **kw)
+  x = rng.standard_normal((5, 352)).astype(np.float32)
+  x[0] *= 10.0
+  good, bad = act8(x, values, scales, lows, **kw), act8(x, values, scales, lows, **kw, mutant=1)
+  assert bits_equal(good, cpu_kernel.qmatmul_act8_reference(x, values, scales, lows, **kw))
+  assert not bits_equal(bad, good)
+  assert bits_equal(act8(x[3:4], values, scales, lows, **kw, mutant=1), good[3:4])  # alone it is the same
+  assert not bits_equal(bad[3:4], act8(x[3:4], values, scales, lows, **kw, mutant=1))
+
+
+def test_act8_arguments():
+  x = jnp.zeros((2, 64), jnp.float32)
+  with pytest.raises(SpecjaxError, match='act_bits must be 32, or 8'):
+    cpu_kernel.qmatmul(x, jnp.zeros((8, 64), jnp.float32), bits=32, act_bits=8)
+  with pytest.raises(SpecjaxError, match='act_bits must be 32, or 8'):
+    cpu_kernel.qmatmul(x, jnp.zeros((8, 64), jnp.int8), jnp.ones((8, 2)), bits=8, group=32, act_bits=16)
+  assert [cpu_kernel.act_block(g) for g in (16, 32, 64, 640, 48, 22, 2048)] == [16, 32, 32, 32, 16, 22, 32]

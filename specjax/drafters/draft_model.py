@@ -156,8 +156,9 @@ def _build(target: Model, options: DraftModelOptions) -> DraftModelDrafter:
   if isinstance(draft, str):
     from specjax.loading import load
 
-    quant, group = draft_quant_for(target, options.draft_quant, gguf=draft.endswith('.gguf'))
-    draft = load(draft, dtype=str(target.dtype) if target.dtype is not None else None, quant=quant, quant_group=group)
+    quant, group, act = draft_quant_for(target, options.draft_quant, gguf=draft.endswith('.gguf'))
+    dtype = str(target.dtype) if target.dtype is not None else None
+    draft = load(draft, dtype=dtype, quant=quant, quant_group=group, quant_act=act)
   elif options.draft_quant is not None:
     raise SpecjaxError('--draft-quant applies to a draft model loaded from a path; this one is already loaded')
   check_compatible(target, draft)

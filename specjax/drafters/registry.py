@@ -52,28 +52,37 @@ def quant_option() -> Any:
   )
 
 
-def draft_quant_for(target, asked: str | None, *, gguf: bool = False) -> tuple[str | None, int]:
-  """(quant, int4 group) of a drafter: `asked` (`--draft-quant`), else the target's quantization."""
+def target_act(target) -> str:
+  """The target's activation mode under --quant: 'int8' (its quant string ends ', act int8') or 'float'."""
+  return 'int8' if (getattr(target, 'quant', None) or '').endswith(', act int8') else 'float'
+
+
+def draft_quant_for(target, asked: str | None, *, gguf: bool = False) -> tuple[str | None, int, str]:
+  """(quant, int4 group, activation mode) of a drafter: `asked` (`--draft-quant`), else the target's
+  quantization; a quantized drafter's activations follow the target's (`--quant-act`)."""
+  act = target_act(target)
   if asked == 'none' or (asked is None and not getattr(target, 'quant', None)):
-    return None, 32
+    return None, 32, 'float'
   if asked is not None:
     if asked == 'auto' and not gguf:
       raise SpecjaxError("--draft-quant auto keeps a GGUF draft model's blocks; this drafter is not a GGUF file")
-    return asked, 32
-  if target.quant.startswith('int4-g'):
-    return 'int4', int(target.quant[len('int4-g') :])
-  if target.quant.startswith('auto'):
-    return ('auto' if gguf else 'int8'), 32
-  return target.quant, 32
+    return asked, 32, act
+  base = target.quant.removesuffix(', act int8')
+  if base.startswith('int4-g'):
+    return 'int4', int(base[len('int4-g') :]), act
+  if base.startswith('auto'):
+    return ('auto' if gguf else 'int8'), 32, act
+  return base, 32, act
 
 
 def quantize_head(target, params, options) -> Any:
   """A drafter head's `Weight` projections quantized as `--draft-quant` or the target says (in place)."""
-  from specjax.quant.params import quantize_params, settle
+  from specjax.quant.params import quantize_params, set_act, settle
 
-  quant, group = draft_quant_for(target, options.draft_quant)
+  quant, group, act = draft_quant_for(target, options.draft_quant)
   if quant is not None:
     quantize_params(params, quant, group=group, embedding=False)
+    set_act(params, act)
     settle(params, getattr(target, 'dtype', None) or 'float32')
   return params
 

@@ -13,8 +13,8 @@ from flax import nnx
 from specjax.errors import SpecjaxError
 from specjax.loading.checkpoint import Checkpoint, GenerationDefaults  # noqa: F401 (specjax.loading API)
 from specjax.loading.registry import DEMO_MODELS, family_for
-from specjax.quant.formats import QUANT_CHOICES, QMatrix, to_device
-from specjax.quant.params import quantize_params, quantized_kinds, settle
+from specjax.quant.formats import QUANT_ACTS, QUANT_CHOICES, QMatrix, to_device
+from specjax.quant.params import quantize_params, quantized_kinds, set_act, settle
 
 HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')
 
@@ -86,6 +86,14 @@ def check_quant(quant: str | None, path: str) -> str | None:
   return quant
 
 
+def check_quant_act(quant: str | None, quant_act: str) -> None:
+  """`quant_act` ('float' or 'int8') must name a mode, and 'int8' needs quantized weights."""
+  if quant_act not in QUANT_ACTS:
+    raise SpecjaxError(f'unknown --quant-act {quant_act!r} (choose from {", ".join(QUANT_ACTS)})')
+  if quant_act != 'float' and quant in (None, 'none'):
+    raise SpecjaxError(f'--quant-act {quant_act} quantizes the activations of quantized weights; add --quant')
+
+
 def load_checkpoint(
     spec: str, *, mtp: bool = False, quant: str | None = None, quant_embedding: bool = True
 ) -> Checkpoint:
@@ -154,6 +162,7 @@ def build_model(
     quant: str | None = None,
     quant_group: int = 32,
     quant_embedding: bool = True,
+    quant_act: str = 'float',
 ):
   """Builds the NNX module abstractly, splits it once and fills in the weights.
 
@@ -177,6 +186,7 @@ def build_model(
     heads[name] = fill(abstract, head.params_from_hf(cfg, ckpt.tensors), dt, ckpt.source)
   abstract = nnx.eval_shape(lambda: family.build(cfg, attention_impl=attention_impl, dtype=dt))
   quant = None if quant == 'none' else quant
+  check_quant_act(quant, quant_act)
   if quant == 'int4':
     check_groups(abstract, quant_group, ckpt.source)
   graphdef, state = fill(abstract, family.params_from_hf(cfg, ckpt.tensors), dt, ckpt.source)
@@ -185,7 +195,9 @@ def build_model(
     raise SpecjaxError(f'{ckpt.source}: {len(ckpt.tensors)} unexpected weights, e.g. {extra}')
   if quant in ('int8', 'int4'):
     quantize_params(state, quant, group=quant_group, embedding=quant_embedding)
-  quant = quant and describe_quant(state, quant, quant_group, dt)
+  if quant:
+    set_act(state, quant_act)
+  quant = quant and describe_quant(state, quant, quant_group, dt, quant_act)
   layout = abstract.cache_layout()
   return Model(
       graphdef,
@@ -212,6 +224,7 @@ def load(
     quant: str | None = None,
     quant_group: int = 32,
     quant_embedding: bool = True,
+    quant_act: str = 'float',
 ):
   """Loads a model by demo name (`gemma-3-270m`), local path or hub id.
 
@@ -226,10 +239,15 @@ def load(
   own blocks, repacked: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K), None / 'none'
   (float; a GGUF file is dequantized). Where the CPU kernel is not built the
   quantized weights are dequantized at load, with one warning line.
+
+  `quant_act` ('float', the default, or 'int8'; only with `quant`): 'int8'
+  quantizes the activations of every quantized product per block of 32 (or 16)
+  inputs and runs integer dot products (`specjax.quant.cpu_kernel`, act int8).
   """
   resolve_dtype(dtype)  # a bad name fails before any weight is read
   if quant_group < 2 or quant_group % 2:
     raise SpecjaxError(f'--quant-group must be an even number of inputs, got {quant_group}')
+  check_quant_act(quant, quant_act)
   ckpt = load_checkpoint(spec, mtp=mtp, quant=quant, quant_embedding=quant_embedding)
   return build_model(
       ckpt,
@@ -239,6 +257,7 @@ def load(
       quant=quant,
       quant_group=quant_group,
       quant_embedding=quant_embedding,
+      quant_act=quant_act,
   )
 
 
@@ -257,13 +276,14 @@ def check_groups(abstract: nnx.Module, group: int, source: str) -> None:
         )
 
 
-def describe_quant(state: nnx.State, quant: str, group: int, dtype) -> str | None:
-  """'int8', 'int4-g32', or for a GGUF file its kinds by count ('auto: Q5_0 x81, Q8_0 x10, ...'); warns and
-  dequantizes where the CPU kernel is missing."""
+def describe_quant(state: nnx.State, quant: str, group: int, dtype, act: str = 'float') -> str | None:
+  """'int8', 'int4-g32', or for a GGUF file its kinds by count ('auto: Q5_0 x81, Q8_0 x10, ...'), then ', act
+  int8' under act int8; warns and dequantizes where the CPU kernel is missing."""
   kinds = quantized_kinds(state)
   if not kinds:
     return None
   settle(state, dtype)
+  suffix = ', act int8' if act == 'int8' else ''
   if quant == 'auto':
-    return 'auto: ' + ', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))
-  return f'int4-g{group}' if quant == 'int4' else quant
+    return 'auto: ' + ', '.join(f'{k} x{n}' for k, n in sorted(kinds.items())) + suffix
+  return (f'int4-g{group}' if quant == 'int4' else quant) + suffix

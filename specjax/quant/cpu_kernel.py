@@ -17,6 +17,21 @@ accumulates fused multiply-adds in SIMD lanes in group order and sums the lanes 
 shared over XLA:CPU's intra-op threads. The extension is compiled with -march=native by `pip install` on the machine
 that runs it (AVX-512, AVX2 + FMA, or scalar code: `isa()` says which); the bits are fixed for one build.
 
+Act int8 (`act_bits=8`, weights of 4 or 8 bits), what llama.cpp does on the CPU: each row x[m] is quantized per
+block of B = `act_block(G)` inputs (32 where 32 divides G, else 16 where 16 does, else G):
+s_x = max|x_block| / 127, q = round-half-even(x / s_x) clamped to [-127, 127] (`quantize_act`); each block's
+integer dot idot[m, n, b] = sum q * v is exact (VNNI vpdpbusd: uint8 weight bytes times int8 q), and the float32
+rest runs in one fixed order, each operation rounded on its own (no FMA):
+
+  xs[m, g] = sum over the blocks b of g, in order, of s_x[m, b] * qsum[m, b]  (qsum: the block's sum of q);
+  y[m, n] = sum over g, in order, of  scales[n, g] * d[m, n, g]  - mins[n, g] * xs[m, g]  (mins optional),
+            d[m, n, g] = sum over the blocks b of g, in order (from 0), of s_x[m, b] * idot[m, n, b];
+
+i.e. `acc = acc + scale * d`, then `acc = acc - min * xs`, group after group. It is the product of the
+weight with the activations s_x * q, so every build gives the same bits and `qmatmul_act8_reference` (numpy)
+reproduces them; `act8_dequantized` (jnp, under jit) gives the same function up to float order, for the XLA
+path. Row independence holds as for float activations (the quantization is per row).
+
 Why not oneDNN (measured on this AMD EPYC, 2 cores, oneDNN 3.13 from the PyPI `onednn` wheel, K 640 x N 262144,
 int8 with a scale per 32): its matmul takes f32 activations with s8 / u4 weights and grouped scales
 (`brg_matmul:avx512_core`) and was row-independent across M = 1..8, but (1) weight zero points must be integers
@@ -93,12 +108,28 @@ def check_shapes(k: int, values_shape, scales_shape, mins_shape, *, bits: int, g
       raise SpecjaxError(f'qmatmul: {name} must be [N, K // G] = {want}, got {list(shape)}')
 
 
-def qmatmul(x, values, scales=None, mins=None, *, bits: int, group: int | None = None, offset: int = 0):
+def qmatmul(
+    x,
+    values,
+    scales=None,
+    mins=None,
+    *,
+    bits: int,
+    group: int | None = None,
+    offset: int = 0,
+    act_bits: int = 32,
+    _mutant: int = 0,
+):
   """y[..., n] = sum_k x[..., k] * w[n, k] for a weight kept quantized (format in the module docstring).
 
   x: [..., K] float32; values: [N, K] int8 | [N, K // 2] uint8 | [N, K] float32 (bits 32); scales, mins:
-  [N, K // G] float32 (mins optional; neither for bits 32). Returns [..., N] float32. Works under jit.
+  [N, K // G] float32 (mins optional; neither for bits 32). `act_bits` 32: float activations; 8: activations
+  quantized per block of `act_block(G)` inputs, integer dot products (act int8 above; bits 4 or 8 only).
+  `_mutant` (tests): 1 gives each block one scale for all rows (row results then depend on M).
+  Returns [..., N] float32. Works under jit.
   """
+  if act_bits not in (8, 32) or (act_bits == 8 and bits == 32):
+    raise SpecjaxError(f'qmatmul: act_bits must be 32, or 8 with 4- or 8-bit weights, got {act_bits} at {bits} bits')
   lib, why = _library()
   if lib is None:
     raise SpecjaxError(f'qmatmul: the CPU kernel is unavailable: {why}')
@@ -131,5 +162,58 @@ def qmatmul(x, values, scales=None, mins=None, *, bits: int, group: int | None =
       group=np.int64(group),
       offset=np.int64(offset),
       has_mins=mins is not None,
+      act_bits=np.int64(act_bits),
+      mutant=np.int64(_mutant),
   )
   return y.reshape(*lead, n)  # [..., N]
+
+
+def act_block(group: int) -> int:
+  """B, the inputs per activation scale under act int8: 32 where 32 divides G, else 16 where 16 does, else G."""
+  return 32 if group % 32 == 0 else 16 if group % 16 == 0 else group
+
+
+def quantize_act(x, block: int, xp=np):  # x [M, K] float32 -> q int8 [M, K // B, B], s_x float32 [M, K // B]
+  """Each block of B inputs of each row: s_x = max|x| / 127, q = round-half-even(x / s_x) in [-127, 127]."""
+  m, k = x.shape
+  xb = x.astype(xp.float32).reshape(m, k // block, block)
+  sx = xp.max(xp.abs(xb), axis=-1) / xp.float32(127.0)
+  q = xp.clip(xp.round(xb / xp.where(sx == 0, xp.float32(1.0), sx)[..., None]), -127, 127).astype(xp.int8)
+  return q, sx
+
+
+def qmatmul_act8_reference(x, values, scales, mins=None, *, bits: int, group: int, offset: int = 0) -> np.ndarray:
+  """The kernel's act-int8 output, bit for bit, in numpy (the order of the module docstring). x [M, K] -> [M, N]."""
+  x = np.asarray(x, np.float32)
+  values, scales = np.asarray(values), np.asarray(scales, np.float32)
+  m, k = x.shape
+  n, groups, block = values.shape[0], k // group, act_block(group)
+  if bits == 8:
+    v = values.astype(np.int64)
+  else:
+    halves = values.reshape(n, groups, group // 2)
+    v = np.concatenate([halves & 15, halves >> 4], axis=-1).reshape(n, k).astype(np.int64) - offset
+  q, sx = quantize_act(x, block)
+  idot = np.einsum('mbi,nbi->mnb', q.astype(np.int64), v.reshape(n, k // block, block)).astype(np.float32)
+  qsum = q.astype(np.int64).sum(-1).astype(np.float32)  # [M, K // B]
+  per = group // block
+  acc = np.zeros((m, n), np.float32)
+  for g in range(groups):
+    d = np.zeros((m, n), np.float32)
+    xs = np.zeros(m, np.float32)
+    for b in range(g * per, (g + 1) * per):
+      d = d + sx[:, b, None] * idot[:, :, b]
+      xs = xs + sx[:, b] * qsum[:, b]
+    acc = acc + scales[None, :, g] * d
+    if mins is not None:
+      acc = acc - np.asarray(mins, np.float32)[None, :, g] * xs[:, None]
+  return acc
+
+
+def act8_dequantized(x, group: int):  # x [..., K] -> [..., K]
+  """x as act int8 sees it (s_x * q per block), in jnp (works under jit): `x' @ w` is the same function as the
+  kernel's act-int8 product up to the order of float sums."""
+  *lead, k = x.shape
+  rows = x.reshape(-1, k).astype(jnp.float32)
+  q, sx = quantize_act(rows, act_block(group), xp=jnp)
+  return (q.astype(jnp.float32) * sx[..., None]).reshape(*lead, k).astype(x.dtype)

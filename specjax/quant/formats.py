@@ -13,7 +13,8 @@ tensor's rows), in groups of G consecutive inputs:
   its high one; a nibble u means v = u - offset.
 
 `out_axis` says which axis of the logical (float) matrix is N: 1 for a `[K, N]`
-projection, 0 for a `[V, D]` table. The same class holds numpy arrays at load
+projection, 0 for a `[V, D]` table. `act` says how the products treat the activations: 'float', or 'int8' (quantized
+per block of 32 or 16 inputs, integer dot products: `specjax.quant.cpu_kernel`). The same class holds numpy arrays at load
 and jax arrays after; `.T` and `np.concatenate` along the output axis work on
 it, so checkpoint mappings written for float tensors run unchanged.
 """
@@ -32,6 +33,7 @@ from specjax.errors import SpecjaxError
 
 QUANT_MODES = ('int8', 'int4')
 QUANT_CHOICES = ('none', 'auto', *QUANT_MODES)  # what `load(quant=)` and --quant take
+QUANT_ACTS = ('float', 'int8')  # what `load(quant_act=)` and --quant-act take
 
 
 @jax.tree_util.register_dataclass
@@ -47,6 +49,7 @@ class QMatrix:
   offset: int = dataclasses.field(default=0, metadata=dict(static=True))  # 4-bit: v = nibble - offset
   out_axis: int = dataclasses.field(default=0, metadata=dict(static=True))  # the logical matrix's N axis
   kind: str = dataclasses.field(default='', metadata=dict(static=True))  # 'int8', 'int4', a GGUF type name
+  act: str = dataclasses.field(default='float', metadata=dict(static=True))  # activations: 'float' or 'int8'
 
   @property
   def num_outputs(self) -> int:
@@ -106,6 +109,8 @@ def concatenate(parts, axis: int = 0, **kwargs) -> QMatrix:
   if not all(isinstance(p, QMatrix) and p.out_axis == out_axis for p in parts) or axis % 2 != out_axis:
     raise TypeError('QMatrix parts concatenate only with each other, along their output axis')
   kind = '+'.join(dict.fromkeys(p.kind for p in parts))  # e.g. 'Q5_0+Q8_0' for a fused q | k | v
+  if len({p.act for p in parts}) > 1:
+    raise TypeError(f'QMatrix parts of different activation modes do not concatenate: {sorted({p.act for p in parts})}')
   if len({(p.bits, p.group, p.offset, p.mins is None) for p in parts}) > 1:
     group = math.gcd(*(p.group for p in parts))
     parts = [widen(p, group) for p in parts]
@@ -129,7 +134,7 @@ def widen(q: QMatrix, group: int) -> QMatrix:
   r = q.group // group
   scales = np.repeat(np.asarray(q.scales), r, axis=1)
   mins = np.zeros_like(scales) if q.mins is None else np.repeat(np.asarray(q.mins), r, axis=1)
-  return QMatrix(values.astype(np.int8), scales, mins, 8, group, 0, q.out_axis, q.kind)
+  return QMatrix(values.astype(np.int8), scales, mins, 8, group, 0, q.out_axis, q.kind, q.act)
 
 
 def unpack_values(q: QMatrix, xp=jnp):  # -> int8 [N, K]

@@ -13,6 +13,10 @@ is the jnp op it replaces; on a `QMatrix` it runs the quantized product:
   decode step give the same bits for the same row (greedy speculative output
   equals greedy AR output of the same quantized model).
 - elsewhere (GPU; CPU reference): dequantize inside jit, then the float product.
+
+A QMatrix with `act='int8'` quantizes the activations per block of 32 (or 16) inputs
+first: the kernel's act-int8 mode (VNNI integer dots), or inside jit the same
+function (`cpu_kernel.act8_dequantized`, equal up to the order of float sums).
 """
 
 from __future__ import annotations
@@ -77,8 +81,14 @@ def uses_kernel() -> bool:
 
 
 def _qdot(x: jax.Array, q: QMatrix) -> jax.Array:  # x [..., K] -> [..., N]
+  act_bits = 8 if q.act == 'int8' else 32
   if uses_kernel():
-    return _kernel().qmatmul(x, q.values, q.scales, q.mins, bits=q.bits, group=q.group, offset=q.offset).astype(x.dtype)
+    kw = dict(bits=q.bits, group=q.group, offset=q.offset, act_bits=act_bits)
+    return _kernel().qmatmul(x, q.values, q.scales, q.mins, **kw).astype(x.dtype)
+  if act_bits == 8:
+    from specjax.quant.cpu_kernel import act8_dequantized
+
+    x = act8_dequantized(x, q.group)
   return jnp.einsum('...k,nk->...n', x, dequantize(q, x.dtype))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -25,6 +27,14 @@ def quantize_params(state: nnx.State, mode: str, *, group: int = 32, embedding: 
   for _, var in _weights(state, embedding):
     if not isinstance(var[...], QMatrix):
       var.set_value(to_device(quantize(np.asarray(var[...]), mode, out_axis=var.out_axis, group=group)))
+  return state
+
+
+def set_act(state: nnx.State, act: str) -> nnx.State:
+  """Every `QMatrix` weight's activation mode ('float' or 'int8'), in place."""
+  for _, var in _weights(state, True):
+    if isinstance(var[...], QMatrix) and var[...].act != act:
+      var.set_value(dataclasses.replace(var[...], act=act))
   return state
 
 

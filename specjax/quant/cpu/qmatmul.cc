@@ -12,6 +12,25 @@
 // chunks of each group in group order (for 4 bits: a chunk's low nibbles, then its high ones); the lanes are summed
 // in a fixed tree at the end. Row and channel tiles only decide which registers hold an accumulator.
 //
+// Act int8 (attribute act_bits = 8; bits 4 or 8): each row x[m] is quantized once per call, in blocks of B inputs,
+// B = 32 where 32 divides G, else 16 where 16 does, else G (so a block never straddles a group):
+//   s_x[m, b] = max_{k in b} |x[m, k]| / 127 (float32);  q[m, k] = nearbyint(x[m, k] / s_x) (half to even; x / 1
+//   where s_x = 0), clamped to [-127, 127];  qsum[m, b] = sum_{k in b} q[m, k];
+//   idot[m, n, b] = sum_{k in b} q[m, k] * v[n, k], exact in int32 (v = the stored int8, or nibble - offset);
+// then in float32, every step rounded on its own (no fused multiply-add: built with -ffp-contract=off):
+//   xs[m, g] = 0; for b in g, in order: xs = xs + s_x[m, b] * float(qsum[m, b])     (the quantized bsums)
+//   acc = 0; for g = 0 .. K / G - 1:
+//     d = 0; for b in g, in order: d = d + s_x[m, b] * float(idot[m, n, b])
+//     acc = acc + scales[n, g] * d;  with mins: acc = acc - mins[n, g] * xs[m, g]
+//   y[m, n] = acc.
+// The integer sums are exact however they are formed, so every build (AVX-512 VNNI, AVX2, scalar) and every tile
+// gives the same bits, and specjax.quant.cpu_kernel.qmatmul_act8_reference reproduces them in numpy. The VNNI tiles
+// (int8 with B = 16 or 32; int4 with G = 32 or a multiple of 64) take 16 channels at a time: their weight bytes are
+// transposed 4 at a time so that lane j holds channel j, then vpdpbusd multiplies unsigned weight bytes (int8 v as
+// v ^ 0x80 = v + 128; int4 nibbles u = v + offset) by q broadcast, and the block's idot is that sum minus 128 (or
+// offset) times qsum[m, b]. Other channels and formats go one (m, n) at a time (AVX2: vpmaddubsw on |v| and
+// q * sign(v); else scalar).
+//
 // Threads: channel blocks are shared out over XLA:CPU's own intra-op thread pool (the FFI ThreadPool context);
 // the calling thread works too, so a pool that runs tasks late or inline still finishes.
 
@@ -25,6 +44,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPECJAX_AVX512 1
@@ -239,6 +259,319 @@ ChannelsFn Select(int64_t bits, bool mins) {
   return Channels<32, false>;
 }
 
+// ------------------------------------------------------------------------------------------------ act int8
+// Activations quantized per block of B inputs (B = ActBlock(G)); see the file comment for the arithmetic.
+
+int64_t ActBlock(int64_t group) { return group % 32 == 0 ? 32 : group % 16 == 0 ? 16 : group; }
+
+struct Act {
+  int64_t block = 0, blocks = 0;  // B, K / B
+  std::vector<int8_t> q;  // [M, K] (+ 64 bytes of slack)
+  std::vector<float> sx;  // [M, K / B]
+  std::vector<int32_t> qsum;  // [M, K / B]
+  std::vector<int32_t> cq;  // [M, K / B]: qsum times the weight bytes' offset (128 for int8, else `offset`)
+  std::vector<float> xs;  // [M, K / G]: sum_k s_x q over each group
+};
+
+// mutant 1 (tests only): one scale per block for all rows, the largest |x| among them (a row's bits depend on M).
+void QuantizeRows(const Problem& p, int64_t bits, int mutant, Act& a) {
+  const int64_t M = p.m, K = p.k, B = ActBlock(p.group), nb = K / B, G = p.group, groups = K / G;
+  a.block = B;
+  a.blocks = nb;
+  a.q.assign(M * K + 64, 0);
+  a.sx.assign(M * nb, 0.0f);
+  a.qsum.assign(M * nb, 0);
+  a.cq.assign(M * nb, 0);
+  a.xs.assign(M * groups, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* x = p.x + m * K + b * B;
+      float amax = 0.0f;
+      for (int64_t r = mutant == 1 ? 0 : m; r < (mutant == 1 ? M : m + 1); ++r)
+        for (int64_t i = 0; i < B; ++i) amax = std::max(amax, std::fabs(p.x[r * K + b * B + i]));
+      const float s = amax / 127.0f, div = s == 0.0f ? 1.0f : s;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < B; ++i) {
+        const float v = std::nearbyint(x[i] / div);
+        const int32_t qi = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+        a.q[m * K + b * B + i] = static_cast<int8_t>(qi);
+        sum += qi;
+      }
+      a.sx[m * nb + b] = s;
+      a.qsum[m * nb + b] = sum;
+      a.cq[m * nb + b] = sum * (bits == 8 ? 128 : p.offset);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float xs = 0.0f;
+      for (int64_t b = g * (G / B); b < (g + 1) * (G / B); ++b)
+        xs = xs + a.sx[m * nb + b] * static_cast<float>(a.qsum[m * nb + b]);
+      a.xs[m * groups + g] = xs;
+    }
+  }
+}
+
+// sum over block b of q[m, k] * v[n, k], exactly (v signed: nibble - offset for 4 bits).
+template <int kBits>
+int32_t BlockDot(const Problem& p, const Act& a, int64_t m, int64_t n, int64_t b) {
+  const int64_t K = p.k, G = p.group, B = a.block, k = b * B;
+  const int8_t* q = a.q.data() + m * K + k;
+  int32_t s = 0;
+  if constexpr (kBits == 8) {
+    const int8_t* v = static_cast<const int8_t*>(p.values) + n * K + k;
+    int64_t i = 0;
+#if defined(SPECJAX_AVX512) || defined(SPECJAX_AVX2)
+    // maddubs (u8 x s8 pairs to int16): |v| <= 128 times q * sign(v), |q| <= 127, so a pair never saturates.
+    __m256i acc = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (; i + 32 <= B; i += 32) {
+      const __m256i vv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+      const __m256i qq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i));
+      const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(vv), _mm256_sign_epi8(qq, vv));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pr, ones));
+    }
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+    for (int j = 0; j < 8; ++j) s += lanes[j];
+#endif
+    for (; i < B; ++i) s += static_cast<int32_t>(q[i]) * v[i];
+  } else {
+    const int64_t k0 = k / G * G, half = G / 2;
+    const uint8_t* w = static_cast<const uint8_t*>(p.values) + (n * K + k0) / 2;
+    for (int64_t i = 0; i < B; ++i) {
+      const int64_t j = k + i - k0;
+      const int u = j < half ? (w[j] & 15) : (w[j - half] >> 4);
+      s += static_cast<int32_t>(q[i]) * (u - p.offset);
+    }
+  }
+  return s;
+}
+
+// Any build, any group: channels [na, nb) of every row, one (m, n) at a time, in the fixed float order.
+template <int kBits, bool kMins>
+void ActGeneric(const Problem& p, const Act& a, int64_t na, int64_t nb) {
+  const int64_t G = p.group, groups = p.k / G, per = G / a.block;
+  for (int64_t n = na; n < nb; ++n)
+    for (int64_t m = 0; m < p.m; ++m) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float d = 0.0f;
+        for (int64_t b = g * per; b < (g + 1) * per; ++b)
+          d = d + a.sx[m * a.blocks + b] * static_cast<float>(BlockDot<kBits>(p, a, m, n, b));
+        acc = acc + p.scales[n * groups + g] * d;
+        if constexpr (kMins) acc = acc - p.mins[n * groups + g] * a.xs[m * groups + g];
+      }
+      p.y[m * p.n + n] = acc;
+    }
+}
+
+#if defined(SPECJAX_AVX512) && defined(__AVX512VNNI__)
+#define SPECJAX_VNNI 1
+
+// t[l] lane j = the int32 at p + j * stride + 4 l, for 16 channels j (P = 8: 32 bytes each; P = 4: 16 bytes).
+template <int P>
+inline void Transpose(const uint8_t* p, int64_t stride, __m512i* t) {
+  if constexpr (P == 8) {
+    __m512i z[8], a[8], b[8];
+    for (int i = 0; i < 8; ++i)
+      z[i] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * stride))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (i + 8) * stride)), 1);
+    for (int i = 0; i < 8; i += 2) {
+      a[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+      a[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {
+      b[h] = _mm512_unpacklo_epi64(a[h], a[h + 2]);
+      b[h + 1] = _mm512_unpackhi_epi64(a[h], a[h + 2]);
+      b[h + 2] = _mm512_unpacklo_epi64(a[h + 1], a[h + 3]);
+      b[h + 3] = _mm512_unpackhi_epi64(a[h + 1], a[h + 3]);
+    }
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int l = 0; l < 4; ++l) {
+      t[l] = _mm512_permutex2var_epi64(b[l], lo, b[l + 4]);
+      t[l + 4] = _mm512_permutex2var_epi64(b[l], hi, b[l + 4]);
+    }
+  } else {
+    static_assert(P == 4);
+    __m512i z[4];
+    auto row = [&](int j) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * stride)); };
+    for (int i = 0; i < 4; ++i) {
+      z[i] = _mm512_castsi128_si512(row(i));
+      z[i] = _mm512_inserti32x4(z[i], row(i + 4), 1);
+      z[i] = _mm512_inserti32x4(z[i], row(i + 8), 2);
+      z[i] = _mm512_inserti32x4(z[i], row(i + 12), 3);
+    }
+    const __m512i a0 = _mm512_unpacklo_epi32(z[0], z[1]), a1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i a2 = _mm512_unpacklo_epi32(z[2], z[3]), a3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    t[0] = _mm512_unpacklo_epi64(a0, a2);
+    t[1] = _mm512_unpackhi_epi64(a0, a2);
+    t[2] = _mm512_unpacklo_epi64(a1, a3);
+    t[3] = _mm512_unpackhi_epi64(a1, a3);
+  }
+}
+
+inline __m512i Q4(const Act& a, int64_t K, int64_t m, int64_t k) {  // q[m, k .. k + 3] in every lane
+  int32_t v;
+  std::memcpy(&v, a.q.data() + m * K + k, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Whether the VNNI tiles take this format: int8 with B 16 or 32; int4 with G = 32, or G a multiple of 64.
+bool VnniFits(int64_t bits, int64_t group) {
+  const int64_t B = ActBlock(group);
+  return bits == 8 ? (B == 16 || B == 32) : (group == 32 || group % 64 == 0) && group / 64 <= 16;
+}
+
+// 16 channels [n0, n0 + 16) x rows [m0, m0 + MT): lane j of each vector is channel n0 + j. The integer dot of a
+// block is exact (vpdpbusd of unsigned weight bytes with q: int8 v as v + 128, then - 128 * qsum; int4 nibbles
+// u, then - offset * qsum), and the float steps are ActGeneric's, lane by lane.
+template <int kBits, bool kMins, int MT, int B>
+void ActTile(const Problem& p, const Act& a, int64_t m0, int64_t n0) {
+  const int64_t K = p.k, G = p.group, groups = K / G, nb = a.blocks;
+  const int64_t stride = kBits == 8 ? K : K / 2;
+  const uint8_t* w = static_cast<const uint8_t*>(p.values) + n0 * stride;
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(static_cast<int32_t>(groups)));
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), low = _mm512_set1_epi8(15);
+  // Software prefetch of the next tile's weight rows (16 contiguous rows), in step with this tile: a line per 64
+  // bytes consumed (the head ran 17 / 23 / 18 ms at M = 1 with a prefetch, without, and two tiles ahead, on one
+  // thread of a busy 2-core Xeon).
+  const bool prefetch = n0 + 32 <= p.n;
+  const char* pf = reinterpret_cast<const char*>(w + 16 * stride);
+  auto ahead = [&](int64_t bytes) {  // bytes of this tile just consumed (a multiple of 64)
+    if (prefetch)
+      for (int64_t i = 0; i < bytes; i += 64, pf += 64) _mm_prefetch(pf, _MM_HINT_T0);
+  };
+  __m512 acc[MT];
+  __m512i sc4[4], mn4[4];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  auto settle = [&](__m512 d[MT], const __m512i s[MT], int64_t b) {  // d += s_x[b] * (s - cq[b])
+    for (int m = 0; m < MT; ++m) {
+      const int64_t at_b = (m0 + m) * nb + b;
+      const __m512i idot = _mm512_sub_epi32(s[m], _mm512_set1_epi32(a.cq[at_b]));
+      d[m] = _mm512_add_ps(d[m], _mm512_mul_ps(_mm512_set1_ps(a.sx[at_b]), _mm512_cvtepi32_ps(idot)));
+    }
+  };
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k0 = g * G;
+    __m512 d[MT];
+    __m512i s[MT];
+    for (int m = 0; m < MT; ++m) d[m] = _mm512_setzero_ps();
+    if constexpr (kBits == 8) {
+      for (int64_t b = k0 / B; b < (k0 + G) / B; ++b) {
+        const int64_t k = b * B;
+        ahead(16 * B);
+        for (int m = 0; m < MT; ++m) s[m] = _mm512_setzero_si512();
+        __m512i t[8];
+        constexpr int P = B / 4;
+        Transpose<P>(w + k, stride, t);
+        for (int l = 0; l < P; ++l) {
+          const __m512i u = _mm512_xor_si512(t[l], flip);
+          for (int m = 0; m < MT; ++m) s[m] = _mm512_dpbusd_epi32(s[m], u, Q4(a, K, m0 + m, k + 4 * l));
+        }
+        settle(d, s, b);
+      }
+    } else if (G == 32) {  // one block: 16 bytes, low nibbles k0 .. k0 + 15, high ones k0 + 16 .. k0 + 31
+      const int64_t off = k0 / 2;
+      ahead(256);
+      for (int m = 0; m < MT; ++m) s[m] = _mm512_setzero_si512();
+      __m512i t[4];
+      Transpose<4>(w + off, stride, t);
+      for (int l = 0; l < 4; ++l) {
+        const __m512i lo = _mm512_and_si512(t[l], low), hi = _mm512_and_si512(_mm512_srli_epi32(t[l], 4), low);
+        for (int m = 0; m < MT; ++m) {
+          s[m] = _mm512_dpbusd_epi32(s[m], lo, Q4(a, K, m0 + m, k0 + 4 * l));
+          s[m] = _mm512_dpbusd_epi32(s[m], hi, Q4(a, K, m0 + m, k0 + 16 + 4 * l));
+        }
+      }
+      settle(d, s, k0 / B);
+    } else {  // G = 64 h: piece j (32 bytes) holds block j in its low nibbles, block h + j in its high ones
+      const int64_t h = G / 64, b0 = k0 / B;
+      __m512i high[MT][16];
+      for (int64_t j = 0; j < h; ++j) {
+        const int64_t off = k0 / 2 + 32 * j;
+        ahead(512);
+        __m512i t[8], sh[MT];
+        for (int m = 0; m < MT; ++m) s[m] = sh[m] = _mm512_setzero_si512();
+        Transpose<8>(w + off, stride, t);
+        for (int l = 0; l < 8; ++l) {
+          const __m512i lo = _mm512_and_si512(t[l], low), hi = _mm512_and_si512(_mm512_srli_epi32(t[l], 4), low);
+          for (int m = 0; m < MT; ++m) {
+            s[m] = _mm512_dpbusd_epi32(s[m], lo, Q4(a, K, m0 + m, k0 + 32 * j + 4 * l));
+            sh[m] = _mm512_dpbusd_epi32(sh[m], hi, Q4(a, K, m0 + m, k0 + G / 2 + 32 * j + 4 * l));
+          }
+        }
+        settle(d, s, b0 + j);
+        for (int m = 0; m < MT; ++m) high[m][j] = sh[m];
+      }
+      for (int64_t j = 0; j < h; ++j) {
+        for (int m = 0; m < MT; ++m) s[m] = high[m][j];
+        settle(d, s, b0 + h + j);
+      }
+    }
+    // The 16 channels' scales (and mins) of group g: 4 groups at a time transposed like the weights where groups
+    // divide by 4 (cheaper than a gather each), else gathered.
+    if (groups % 4 == 0 && g % 4 == 0) {
+      Transpose<4>(reinterpret_cast<const uint8_t*>(p.scales + n0 * groups + g), 4 * groups, sc4);
+      if constexpr (kMins) Transpose<4>(reinterpret_cast<const uint8_t*>(p.mins + n0 * groups + g), 4 * groups, mn4);
+    }
+    const __m512 sc = groups % 4 == 0 ? _mm512_castsi512_ps(sc4[g % 4])
+                                      : _mm512_i32gather_ps(at, p.scales + n0 * groups + g, 4);
+    __m512 mn = _mm512_setzero_ps();
+    if constexpr (kMins)
+      mn = groups % 4 == 0 ? _mm512_castsi512_ps(mn4[g % 4]) : _mm512_i32gather_ps(at, p.mins + n0 * groups + g, 4);
+    for (int m = 0; m < MT; ++m) {
+      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(sc, d[m]));
+      if constexpr (kMins)
+        acc[m] = _mm512_sub_ps(acc[m], _mm512_mul_ps(mn, _mm512_set1_ps(a.xs[(m0 + m) * groups + g])));
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(p.y + (m0 + m) * p.n + n0, acc[m]);
+}
+
+template <int kBits, bool kMins, int MT>
+void ActRows(const Problem& p, const Act& a, int64_t m0, int64_t na, int64_t nb) {
+  for (int64_t n = na; n + 16 <= nb; n += 16) {
+    if (kBits == 8 && a.block == 16) {
+      ActTile<kBits, kMins, MT, 16>(p, a, m0, n);
+    } else {
+      ActTile<kBits, kMins, MT, 32>(p, a, m0, n);
+    }
+  }
+}
+#endif
+
+// All rows for channels [na, nb): VNNI tiles of 16 channels where the build and format allow, the rest generic.
+template <int kBits, bool kMins>
+void ActChannels(const Problem& p, const Act& a, int64_t na, int64_t nb) {
+  int64_t tail = na;
+#if defined(SPECJAX_VNNI)
+  if (VnniFits(kBits, p.group)) {
+    tail = na + (nb - na) / 16 * 16;
+    for (int64_t m0 = 0; m0 < p.m; m0 += 8) {  // row tiles of 8: 4 took twice as long at M = 8
+      switch (std::min<int64_t>(8, p.m - m0)) {
+        case 1: ActRows<kBits, kMins, 1>(p, a, m0, na, tail); break;
+        case 2: ActRows<kBits, kMins, 2>(p, a, m0, na, tail); break;
+        case 3: ActRows<kBits, kMins, 3>(p, a, m0, na, tail); break;
+        case 4: ActRows<kBits, kMins, 4>(p, a, m0, na, tail); break;
+        case 5: ActRows<kBits, kMins, 5>(p, a, m0, na, tail); break;
+        case 6: ActRows<kBits, kMins, 6>(p, a, m0, na, tail); break;
+        case 7: ActRows<kBits, kMins, 7>(p, a, m0, na, tail); break;
+        default: ActRows<kBits, kMins, 8>(p, a, m0, na, tail); break;
+      }
+    }
+  }
+#endif
+  ActGeneric<kBits, kMins>(p, a, tail, nb);
+}
+
+using ActFn = void (*)(const Problem&, const Act&, int64_t, int64_t);
+
+ActFn SelectAct(int64_t bits, bool mins) {
+  if (bits == 8) return mins ? ActChannels<8, true> : ActChannels<8, false>;
+  return mins ? ActChannels<4, true> : ActChannels<4, false>;
+}
+
 struct Job {
   std::atomic<int64_t> next{0}, done{0};
   int64_t tasks = 0;
@@ -269,7 +602,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t threads, int64_t tasks, std::fun
 
 ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
                    ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group,
-                   int64_t offset, bool has_mins) {
+                   int64_t offset, bool has_mins, int64_t act_bits, int64_t mutant) {
   auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("qmatmul: x, values, scales and y must be 2-D");
@@ -287,13 +620,28 @@ ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (yd[0] != M || yd[1] != N) return ffi::Error::InvalidArgument("qmatmul: y must be [M, N]");
   if (M == 0 || N == 0) return ffi::Error::Success();
 
+  if (act_bits != 32 && (act_bits != 8 || bits == 32))
+    return ffi::Error::InvalidArgument("qmatmul: act_bits must be 32, or 8 with 4- or 8-bit weights");
   const Problem p{x.typed_data(), values.untyped_data(), scales.typed_data(), has_mins ? mins.typed_data() : nullptr,
                   y->typed_data(), M, K, N, group, static_cast<int>(offset)};
+  const int64_t threads = M * N * K < (1 << 18) ? 1 : Threads(pool);
+  if (act_bits == 8) {  // rows quantized once, here; then blocks of whole VNNI tiles, at least 4 per thread
+    Act a;
+    QuantizeRows(p, bits, static_cast<int>(mutant), a);
+    const ActFn fn = SelectAct(bits, has_mins);
+    const int64_t kBlock = 16 * std::clamp<int64_t>((N + 16 * 4 * threads - 1) / (16 * 4 * threads), 1, 8);
+    if (threads == 1) {
+      fn(p, a, 0, N);
+    } else {
+      ParallelFor(pool, threads, (N + kBlock - 1) / kBlock,
+                  [&p, &a, fn, N, kBlock](int64_t b) { fn(p, a, b * kBlock, std::min(N, (b + 1) * kBlock)); });
+    }
+    return ffi::Error::Success();
+  }
   const ChannelsFn fn = Select(bits, has_mins && bits != 32);
   // Blocks of 120 channels (a multiple of every tile width); one thread for small problems.
   constexpr int64_t kBlock = 120;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
-  const int64_t threads = M * N * K < (1 << 18) ? 1 : Threads(pool);
   if (threads == 1) {
     fn(p, 0, N);
   } else {
@@ -315,6 +663,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQmatmul, Qmatmul,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("offset")
-                                  .Attr<bool>("has_mins"));
+                                  .Attr<bool>("has_mins")
+                                  .Attr<int64_t>("act_bits")
+                                  .Attr<int64_t>("mutant"));
 
+#if defined(SPECJAX_VNNI)
+extern "C" const char* SpecjaxQmatmulIsa() { return "avx512-vnni"; }
+#else
 extern "C" const char* SpecjaxQmatmulIsa() { return Vec::kIsa; }
+#endif
