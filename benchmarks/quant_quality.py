@@ -14,9 +14,10 @@ every position (p from float32, q from the arm):
   kl          mean KL(p || q) in nats over those positions;
   ppl         perplexity of the prompt text itself (the next-token loss over the prompt's tokens), per category
               and overall; float32's own is the reference row;
-  ngram_tau   mean accepted tokens per verify step of the n-gram drafter (prompt lookup, depth `--ngram-depth`),
-              greedy, on the same prompts, `--continuation` new tokens, over the arm's own model; with it, the
-              arm's AR and speculative decode tok/s on this CPU (n-gram speedup over the arm's own AR).
+  ngram       τ (tokens per verify step) of the n-gram drafter (prompt lookup, depth `--ngram-depth`), greedy, on
+              the same prompts, `--continuation` new tokens, over the arm's own model; with it the arm's AR and
+              speculative decode tok/s on this CPU and the speedup over the arm's own AR, overall and per
+              Spec-Bench category (`ngram_by_category`).
 
 Spec-Bench is evaluation data: nothing here trains on it.
 """
@@ -75,22 +76,29 @@ def padded(ids: list[int]) -> np.ndarray:
   return np.asarray([ids + [0] * (t - len(ids))], np.int32)
 
 
-def ngram_run(model, prompts: list[list[int]], new: int, depth: int) -> dict:
-  """n-gram τ and decode tok/s, speculative and AR, on the arm's own model (greedy; compiled before timing)."""
-  out = {}
+def ngram_run(model, rows, prompts: list[list[int]], new: int, depth: int) -> dict:
+  """n-gram τ and decode tok/s, speculative and AR, on the arm's own model (greedy; compiled before timing),
+  overall and per Spec-Bench category (speedup: the category's n-gram tok/s over its AR tok/s)."""
+  out, per = {}, collections.defaultdict(dict)
   for name in ('ar', 'ngram'):
     drafter = make_drafter('ngram', model) if name == 'ngram' else None
     engine = specjax.Engine(model, drafter=drafter, max_draft=depth)
     engine.generate(prompts[:1], max_new_tokens=4)
-    tokens, steps, seconds = 0, 0, 0.0
-    for prompt in prompts:
+    sums = collections.defaultdict(lambda: [0, 0, 0.0])  # category -> tokens, steps, seconds
+    for row, prompt in zip(rows, prompts):
       _, stats = engine.generate([prompt], max_new_tokens=new)
-      tokens += stats.generated_tokens - stats.rows
-      steps += stats.decode_steps
-      seconds += stats.decode_s
-    out[name] = {'tok_s': round(tokens / seconds, 2), 'tau': round(tokens / steps, 3)}
-  out['ngram_speedup'] = round(out['ngram']['tok_s'] / out['ar']['tok_s'], 3)
-  return out
+      for key in (row.category, 'all'):
+        sums[key][0] += stats.generated_tokens - stats.rows
+        sums[key][1] += stats.decode_steps
+        sums[key][2] += stats.decode_s
+    for key, (tokens, steps, seconds) in sums.items():
+      per[key][name] = (tokens / seconds, tokens / steps)
+  for key, arms in per.items():
+    (ar_rate, _), (rate, tau) = arms['ar'], arms['ngram']
+    entry = {'ar_tok_s': round(ar_rate, 2), 'ngram_tok_s': round(rate, 2), 'tau': round(tau, 3)}
+    entry['speedup'] = round(rate / ar_rate, 3)
+    out[key] = entry
+  return {'ngram': out.pop('all'), 'ngram_by_category': dict(sorted(out.items()))}
 
 
 def main() -> None:
@@ -159,9 +167,9 @@ def main() -> None:
     out['ppl'] = round(math.exp(sum(c[0] for c in cats.values()) / sum(c[1] for c in cats.values())), 3)
     out['ppl_by_category'] = {k: round(math.exp(v[0] / v[1]), 3) for k, v in sorted(cats.items())}
     if not args.no_ngram:
-      out |= ngram_run(model, prompts, args.continuation, args.ngram_depth)
+      out |= ngram_run(model, rows, prompts, args.continuation, args.ngram_depth)
     report['arms'][arm] = out
-    print(arm, {k: v for k, v in out.items() if k != 'ppl_by_category'}, flush=True)
+    print(arm, {k: v for k, v in out.items() if not k.endswith('_by_category')}, flush=True)
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(report, indent=1) + '\n')
 
