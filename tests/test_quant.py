@@ -210,6 +210,19 @@ def test_cli_quant_flags(capsys):
   assert code != 0 and 'int4 groups of 96 do not divide' in err and 'Hello' not in out
 
 
+def test_draft_quant_auto_off_gguf_is_refused_before_any_load(monkeypatch, capsys):
+  from specjax import cli
+  from specjax.drafters import get
+
+  monkeypatch.setattr(specjax, 'load', lambda *a, **k: pytest.fail('a model was loaded'))
+  argv = ['run', '-m', TINY, '--prompt', 'Hello', '--drafter', 'draft-model', '--draft-model', TINY]
+  assert cli.main([*argv, '--draft-quant', 'auto']) != 0
+  out, err = capsys.readouterr()
+  assert err.count('error:') == 1 and 'is not a GGUF file' in err and 'Hello' not in out
+  with pytest.raises(SpecjaxError, match='mtp heads are not GGUF files'):
+    get('mtp').make_options(draft_quant='auto')
+
+
 @pytest.mark.parametrize('case', list(FAMILIES))
 def test_every_family_greedy_equals_quantized_autoregressive(case):
   """Every drafter family over an int8 target (and its head's projections requantized to int8, the default):

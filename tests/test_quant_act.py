@@ -61,6 +61,8 @@ def test_xla_form_is_close_to_the_kernel(mode):
 def test_greedy_speculative_equals_act8_autoregressive(impl):
   """Greedy n-gram speculation over an int4 target with act int8 emits exactly that target's AR tokens (the kernel's
   rows do not depend on M; the XLA form's are per row too); a verifier that accepts every draft breaks it."""
+  if impl == 'auto' and not cpu_kernel.available():
+    pytest.skip('the CPU kernel is not built (act int8 is refused under impl auto)')
   ops.set_impl(impl)
   try:
     model = specjax.load(TINY, quant='int4', quant_act='int8')
@@ -81,14 +83,14 @@ def test_greedy_speculative_equals_act8_autoregressive(impl):
 
 
 def test_drafters_follow_the_target_act(tmp_path):
-  target = specjax.load(TINY, quant='int4', quant_group=16, quant_act='int8')
-  assert make_drafter('draft-model', target, draft_model=TINY).model.quant == 'int4-g16, act int8'
-  assert make_drafter('draft-model', target, draft_model=TINY, draft_quant='int8').model.quant == 'int8, act int8'
-  assert make_drafter('draft-model', target, draft_model=TINY, draft_quant='none').model.quant is None
-  path = tmp_path / 'tiny.gguf'
-  write_gguf(path)
   ops.set_impl('xla')  # keep the QMatrix weights even where no kernel is built
   try:
+    target = specjax.load(TINY, quant='int4', quant_group=16, quant_act='int8')
+    assert make_drafter('draft-model', target, draft_model=TINY).model.quant == 'int4-g16, act int8'
+    assert make_drafter('draft-model', target, draft_model=TINY, draft_quant='int8').model.quant == 'int8, act int8'
+    assert make_drafter('draft-model', target, draft_model=TINY, draft_quant='none').model.quant is None
+    path = tmp_path / 'tiny.gguf'
+    write_gguf(path)
     auto = specjax.load(str(path), quant='auto', quant_act='int8')
   finally:
     ops.set_impl('auto')
@@ -110,7 +112,26 @@ def test_quant_act_errors(capsys):
   argv = ['generate', '-m', TINY, '--prompt', 'Hello', '--max-new-tokens', '3', '--quant', 'int8', '--quant-act']
   code = cli.main([*argv, 'int8', '--json'])
   out, err = capsys.readouterr()
-  assert code == 0, err
+  assert code == 0 if cpu_kernel.available() else 'needs the CPU kernel' in err, err
+
+
+def test_act_int8_without_the_kernel_is_refused(monkeypatch, capsys):
+  """Where the kernel is missing the weights are dequantized at load: act int8 would be dropped, so it is refused
+  before any work, and a plain `--quant` says in `model.quant` that its weights are float."""
+  from specjax import cli
+
+  monkeypatch.setattr(ops, 'dequantize_at_load', lambda: True)
+  with pytest.raises(SpecjaxError, match='--quant-act int8 needs the CPU kernel'):
+    specjax.load(TINY, quant='int8', quant_act='int8')
+  argv = ['generate', '-m', TINY, '--prompt', 'Hello', '--max-new-tokens', '3', '--quant', 'int8']
+  assert cli.main([*argv, '--quant-act', 'int8']) != 0
+  out, err = capsys.readouterr()
+  assert err.count('error:') == 1 and 'needs the CPU kernel' in err and 'Hello' not in out
+  model = specjax.load(TINY, quant='int8')
+  assert model.quant == 'int8, dequantized at load'
+  assert not [
+      v for v in jax.tree.leaves(model.params, is_leaf=lambda v: isinstance(v, QMatrix)) if isinstance(v, QMatrix)
+  ]
 
 
 @pytest.mark.skipif(not cpu_kernel.available(), reason='the CPU kernel is not built')

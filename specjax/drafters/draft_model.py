@@ -149,6 +149,15 @@ class DraftModelOptions:
   def validate(self) -> None:
     if self.draft_model is None:
       raise SpecjaxError('--drafter draft-model needs --draft-model PATH')
+    if isinstance(self.draft_model, str) and self.draft_quant == 'auto' and not _is_gguf(self.draft_model):
+      raise SpecjaxError(f"--draft-quant auto keeps a GGUF draft model's blocks; {self.draft_model} is not a GGUF file")
+
+
+def _is_gguf(spec: str) -> bool:
+  """Whether a draft model spec (a path, demo name or hub id) resolves to a GGUF file (a wrong path raises)."""
+  from specjax.loading import resolve
+
+  return resolve(spec).endswith('.gguf')
 
 
 def _build(target: Model, options: DraftModelOptions) -> DraftModelDrafter:
@@ -156,7 +165,7 @@ def _build(target: Model, options: DraftModelOptions) -> DraftModelDrafter:
   if isinstance(draft, str):
     from specjax.loading import load
 
-    quant, group, act = draft_quant_for(target, options.draft_quant, gguf=draft.endswith('.gguf'))
+    quant, group, act = draft_quant_for(target, options.draft_quant, gguf=_is_gguf(draft))
     dtype = str(target.dtype) if target.dtype is not None else None
     draft = load(draft, dtype=dtype, quant=quant, quant_group=group, quant_act=act)
   elif options.draft_quant is not None:

@@ -142,6 +142,11 @@ class DrafterFamily:
     options = self.options(**{k: v for k, v in values.items() if v is not None})
     if getattr(options, 'draft_quant', None) not in (None, *QUANT_CHOICES):
       raise SpecjaxError(f'--draft-quant must be one of {", ".join(QUANT_CHOICES)}, got {options.draft_quant!r}')
+    if getattr(options, 'draft_quant', None) == 'auto' and self.name != 'draft-model':
+      raise SpecjaxError(
+          f"--draft-quant auto keeps a GGUF draft model's blocks; {self.name} heads are not GGUF files "
+          '(choose int8, int4 or none)'
+      )
     if hasattr(options, 'validate'):
       options.validate()
     return options

@@ -92,6 +92,14 @@ def check_quant_act(quant: str | None, quant_act: str) -> None:
     raise SpecjaxError(f'unknown --quant-act {quant_act!r} (choose from {", ".join(QUANT_ACTS)})')
   if quant_act != 'float' and quant in (None, 'none'):
     raise SpecjaxError(f'--quant-act {quant_act} quantizes the activations of quantized weights; add --quant')
+  if quant_act != 'float':
+    from specjax.quant import ops
+
+    if ops.dequantize_at_load():
+      raise SpecjaxError(
+          f'--quant-act {quant_act} needs the CPU kernel, and {ops.kernel_status()} (quantized weights would be '
+          'dequantized at load, activations float): reinstall with a C++ compiler (`pip install -e .`) or drop it'
+      )
 
 
 def load_checkpoint(
@@ -278,12 +286,14 @@ def check_groups(abstract: nnx.Module, group: int, source: str) -> None:
 
 def describe_quant(state: nnx.State, quant: str, group: int, dtype, act: str = 'float') -> str | None:
   """'int8', 'int4-g32', or for a GGUF file its kinds by count ('auto: Q5_0 x81, Q8_0 x10, ...'), then ', act
-  int8' under act int8; warns and dequantizes where the CPU kernel is missing."""
+  int8' under act int8; where the CPU kernel is missing it warns, dequantizes and says ', dequantized at load'."""
   kinds = quantized_kinds(state)
   if not kinds:
     return None
   settle(state, dtype)
   suffix = ', act int8' if act == 'int8' else ''
+  if not quantized_kinds(state):
+    suffix = ', dequantized at load'
   if quant == 'auto':
     return 'auto: ' + ', '.join(f'{k} x{n}' for k, n in sorted(kinds.items())) + suffix
   return (f'int4-g{group}' if quant == 'int4' else quant) + suffix
