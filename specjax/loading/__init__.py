@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.errors import SpecjaxError
-from specjax.loading.checkpoint import Checkpoint, GenerationDefaults  # noqa: F401 (specjax.loading API)
+from specjax.loading.checkpoint import Checkpoint, GenerationDefaults, release_host_memory  # noqa: F401 (API)
 from specjax.loading.registry import DEMO_MODELS, family_for
 from specjax.quant.formats import QUANT_ACTS, QUANT_CHOICES, QMatrix, to_device
 from specjax.quant.params import quantize_params, quantized_kinds, set_act, settle
@@ -155,10 +155,23 @@ def fill(abstract: nnx.Module, pure: dict, dtype, source: str) -> tuple[nnx.Grap
   def cast(w):
     if isinstance(w, QMatrix):
       return to_device(w)
-    return jnp.asarray(w, dtype if np.issubdtype(np.asarray(w).dtype, np.floating) else None)
+    w = np.asarray(w)
+    # device_put copies once (jnp.asarray held two copies of a big weight at its peak) and aliases where aligned.
+    return jax.device_put(w.astype(dtype, copy=False) if np.issubdtype(w.dtype, np.floating) else w)
 
-  nnx.replace_by_pure_dict(state, jax.tree.map(cast, pure, is_leaf=lambda w: isinstance(w, QMatrix)))
+  _convert_in_place(pure, cast)
+  nnx.replace_by_pure_dict(state, pure)
   return graphdef, state
+
+
+def _convert_in_place(tree: dict, convert) -> None:
+  """Replaces each leaf of a nested dict by `convert(leaf)`, one at a time, so that each host array is freed as
+  soon as its device copy exists (the peak holds one weight twice, not all of them)."""
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      _convert_in_place(value, convert)
+    else:
+      tree[key] = convert(value)
 
 
 def build_model(
@@ -207,6 +220,7 @@ def build_model(
     set_act(state, quant_act)
   quant = quant and describe_quant(state, quant, quant_group, dt, quant_act)
   layout = abstract.cache_layout()
+  release_host_memory()
   return Model(
       graphdef,
       state,

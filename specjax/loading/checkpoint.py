@@ -8,7 +8,9 @@ The model families turn that into NNX params (`specjax.models.<family>`).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -24,3 +26,20 @@ class Checkpoint:
   tokenizer: Any  # specjax.loading.tokenizer.Tokenizer
   generation: GenerationDefaults
   source: str  # where it came from, for manifests and messages
+
+
+@functools.cache
+def _libc():
+  try:
+    return ctypes.CDLL('libc.so.6')
+  except OSError:
+    return None
+
+
+def release_host_memory() -> None:
+  """Gives freed heap pages back to the OS (glibc's `malloc_trim`; elsewhere nothing). Loading frees many small
+  Python objects (a 262k-entry vocabulary's lists) and host copies of weights, whose pages glibc would otherwise
+  keep: without it the process holds ~200 MB more (Gemma 3 270M) and the next big buffer lands on top."""
+  libc = _libc()
+  if libc is not None and hasattr(libc, 'malloc_trim'):
+    libc.malloc_trim(0)

@@ -126,7 +126,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from specjax.errors import SpecjaxError
-from specjax.loading.checkpoint import Checkpoint, GenerationDefaults
+from specjax.loading.checkpoint import Checkpoint, GenerationDefaults, release_host_memory
 from specjax.loading.tokenizer import Tokenizer
 from specjax.quant.gguf import FLOAT_TYPES, REPACKED, repack
 
@@ -359,6 +359,15 @@ class _GGUFFile:
     data = np.frombuffer(self._map, np.uint8, count=nbytes, offset=info.start)
     return data.reshape(byte_shape)
 
+  def release(self, info: _TensorInfo) -> None:
+    """Drops a read tensor's file pages from this process's memory (they count in its RSS while mapped; a later
+    read would fault them back in from the file, so this is always safe)."""
+    page = mmap.PAGESIZE
+    start = info.start // page * page
+    end = min(len(self._map), info.start + math.prod(self.raw(info).shape))
+    if hasattr(self._map, 'madvise') and hasattr(mmap, 'MADV_DONTNEED') and end > start:
+      self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
   """All metadata of a GGUF file as plain Python values (no tensor data)."""
@@ -407,6 +416,7 @@ def load_gguf(path: str, *, keep_quantized: bool = False, quant_embedding: bool 
     config = _dense_config(arch, meta, gguf_file)
   hf_names = _tensor_names(arch, spec, gguf_file.tensors, config['num_hidden_layers'])
   tokenizer = Tokenizer.from_gguf_fields(meta)
+  release_host_memory()
 
   tensors = {}
   for gguf_name, hf_name in hf_names.items():
@@ -418,6 +428,7 @@ def load_gguf(path: str, *, keep_quantized: bool = False, quant_embedding: bool 
         heads = config['num_attention_heads' if '.attn_q.' in gguf_name else 'num_key_value_heads']
         values = values.rows(_unpermute_rope_rows(np.arange(info.shape[0]), heads, gguf_name))
       tensors[hf_name] = values
+      gguf_file.release(info)
       continue
     values = _dequantize(gguf_file.raw(info), info.qtype, info.shape)
     if spec.norm_offset and gguf_name.endswith('norm.weight'):
@@ -426,6 +437,7 @@ def load_gguf(path: str, *, keep_quantized: bool = False, quant_embedding: bool 
       heads = config['num_attention_heads' if '.attn_q.' in gguf_name else 'num_key_value_heads']
       values = _unpermute_rope_rows(values, heads, gguf_name)
     tensors[hf_name] = values
+    gguf_file.release(info)
   if arch == 'gemma4':  # llama.cpp takes a missing layer_output_scale as 1, as does transformers' init
     for i in range(config['num_hidden_layers']):
       tensors.setdefault(f'model.layers.{i}.layer_scalar', np.ones((1,), np.float32))

@@ -218,4 +218,4 @@ def pack4(nibbles: np.ndarray, group: int) -> np.ndarray:  # [N, K] values 0..15
 
 def to_device(q: QMatrix) -> QMatrix:
   """Host arrays -> jax arrays, dtypes as stored (float32 scales and mins)."""
-  return jax.tree.map(jnp.asarray, q)
+  return jax.tree.map(jax.device_put, q)
