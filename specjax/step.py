@@ -32,7 +32,7 @@ from specjax import sampling as sampling_lib
 from specjax import trees
 from specjax.cache.paged import KVCache
 from specjax.drafters.base import DraftContext
-from specjax.grammar.bitmask import mask_law, mask_logits
+from specjax.grammar.bitmask import mask_law, mask_logits, tree_laws
 from specjax.models.contract import StepInputs, append
 from specjax.sampling import SamplingParams
 from specjax.verify import verify, verify_tree
@@ -172,14 +172,16 @@ def verify_phase(
   """Verifies a proposal in one target pass over K + 1 positions and commits what each row accepted.
 
   `logprobs=True` appends the target's log-probability of each emitted token, [B, K + 1]. `grammar`
-  (`GrammarInputs`, chains only): the host's drafts, cuts and masks; p and q become p' and q'.
+  (`GrammarInputs`): the host's drafts, cuts and masks (a tree's: per node); p and q become p' and q'.
   """
   target = nnx.merge(graphdef, params)
   old_len = state.cache.lengths
   fresh = None
   if grammar is not None:
     q = prop.q
-    if q is not None:  # forced drafts were drawn with probability 1; a kept draft's law is q given it is allowed
+    if q is not None and prop.parents is not None:
+      q = tree_laws(q, prop.parents, grammar.bitmask)
+    elif q is not None:  # forced drafts were drawn with probability 1; a kept draft's law is q given it is allowed
       q = jnp.where(grammar.forced[:, None, None], jax.nn.one_hot(grammar.drafts, q.shape[-1], dtype=q.dtype), q)
       q = mask_law(q, grammar.bitmask[:, :k])
     prop = dataclasses.replace(prop, drafts=grammar.drafts, draft_lens=grammar.draft_lens, q=q)
@@ -194,7 +196,9 @@ def verify_phase(
     )
     lp = token_logprobs(logits, out) if logprobs else None
   else:
-    n_accepted, out, path, hidden, cache, taps, lp = verify_tree_block(target, state, prop, drafter, k, sampling)
+    n_accepted, out, path, hidden, cache, taps, lp = verify_tree_block(
+        target, state, prop, drafter, k, sampling, grammar
+    )
   hidden = hidden if drafter.reads_hidden else None
 
   steps = jnp.arange(k + 1)
@@ -237,8 +241,9 @@ def constrained_verify_phase(graphdef, params, dparams, state, prop, eos_ids, gr
   )
 
 
-def verify_tree_block(target, state: DecodeState, prop, drafter, k: int, sampling):
-  """Verifies a draft tree (`prop.parents`) in one target pass over the root and its N nodes.
+def verify_tree_block(target, state: DecodeState, prop, drafter, k: int, sampling, grammar=None):
+  """Verifies a draft tree (`prop.parents`) in one target pass over the root and its N nodes (under `grammar`:
+  each node's logits masked by its state's mask, refused nodes cut; q is already q').
 
   Also returns the target's log-probability of each emitted token along the path, [B, K + 1].
 
@@ -256,9 +261,22 @@ def verify_tree_block(target, state: DecodeState, prop, drafter, k: int, samplin
   inputs = StepInputs.tree(state.cache, depths, trees.ancestor_mask(parents), num_nodes)
   hidden, cache, taps = target.forward(block, inputs, state.cache, taps=drafter.taps)
   logits = target.logits(hidden).astype(jnp.float32)  # [B, N + 1, V]
+  node_ok = None
+  if grammar is not None:
+    logits = mask_logits(logits, grammar.bitmask)
+    node_ok = jnp.concatenate([jnp.ones((b, 1), bool), grammar.valid], axis=1)
   q = None if prop.q is None else jnp.concatenate([jnp.zeros_like(prop.q[:, :1]), prop.q], axis=1)
   n_accepted, path, out = verify_tree(
-      logits, block, parents, num_nodes, q, sampling, state.seq_ids, state.cache.lengths + 1, max_depth=k
+      logits,
+      block,
+      parents,
+      num_nodes,
+      q,
+      sampling,
+      state.seq_ids,
+      state.cache.lengths + 1,
+      max_depth=k,
+      node_ok=node_ok,
   )
   along = lambda x: jnp.take_along_axis(x, path[:, :, None], axis=1)  # [B, N + 1, D] -> [B, K + 1, D]
   lp = token_logprobs(along(logits), out)

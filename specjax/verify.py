@@ -135,6 +135,7 @@ def verify_tree(
     seq_ids: jax.Array,  # [B]
     positions: jax.Array,  # [B] absolute position predicted by logits[:, 0]
     max_depth: int,  # static: depth of the deepest node (deeper nodes are never accepted)
+    node_ok: jax.Array | None = None,  # [B, N] bool: nodes that may be accepted (a grammar's cut), root included
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Returns (n_accepted [B], path [B, max_depth + 1], tokens [B, max_depth + 1]).
 
@@ -145,6 +146,7 @@ def verify_tree(
   b, n = tokens.shape
   depths = trees.node_depths(parents)  # [B, N]
   live = (jnp.arange(n)[None, :] < num_nodes[:, None]) & (depths <= max_depth)
+  live = live if node_ok is None else live & node_ok
   nodes = (jnp.arange(1, n), parents.T[1:], live.T[1:])  # scanned over nodes 1..N-1, in index order
 
   if sampling.is_greedy or q is None:

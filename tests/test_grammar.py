@@ -1,7 +1,7 @@
 """Constrained decoding (`specjax.grammar`): llguidance grammars stay exact under speculation.
 
-Greedy constrained speculation equals greedy constrained autoregressive decoding for each chain family and the
-grammar-forced drafters; sample-and-match (n-gram) emits the constrained autoregressive sampler's tokens; a
+Greedy constrained speculation equals greedy constrained autoregressive decoding for each chain family, draft
+trees (each node masked by its path's state) and the grammar-forced drafters; sample-and-match (n-gram) emits the constrained autoregressive sampler's tokens; a
 drafter with q passes the chi^2 test against the constrained target's exact law, and verifiers with a mutation
 (the residual not reduced, the ratio one position off; at the verifier, q not renormalised over the allowed
 tokens and the cut position's draw reusing the drafter's noise) fail it. Every output of a JSON-schema request validates. Bad constraints are one error.
@@ -23,9 +23,19 @@ from specjax import verify as verify_lib
 from specjax.drafters import make_drafter
 from specjax.errors import SpecjaxError
 from specjax.grammar import RowGrammars, compile_constraint, mask_law, mask_logits, new_matcher
+from specjax.grammar.bitmask import tree_laws
 from specjax.grammar.compile import tokenizer_for
 from specjax.loading import build_model
-from conftest import FIXTURES, RAGGED_PROMPTS, TINY, assert_target_law, drafter_options, perturbed_target
+from conftest import (
+    FIXTURES,
+    RAGGED_PROMPTS,
+    TINY,
+    assert_target_law,
+    damped_target,
+    drafter_options,
+    forget_steps,
+    perturbed_target,
+)
 
 REGEX = r'(ab|cd|[0-9]){2,6}-[a-k ]{1,12}\.'  # a constant '-' and '.', and sets that cut the target's top tokens
 SCHEMA = {
@@ -90,11 +100,6 @@ def test_bad_constraints_are_one_error(tiny_model, tiny_engine):
       tiny_engine.generate(['Hi'], max_new_tokens=2, sampling=sampling)
   with pytest.raises(SpecjaxError, match='one constraint per request: got json_schema and regex'):
     tiny_engine.generate(['Hi'], max_new_tokens=2, sampling=specjax.SamplingParams(json_schema='{}', regex='a'))
-  target = specjax.load(f'{FIXTURES}/tiny_llama3')
-  head = make_drafter('eagle3', target, draft_model=f'{FIXTURES}/tiny_eagle3', tree_topk=2, tree_tokens=4)
-  tree = specjax.Engine(target, page_size=4, drafter=head)
-  with pytest.raises(SpecjaxError, match='verifies chains'):
-    tree.generate(['Hi'], max_new_tokens=2, sampling=specjax.SamplingParams(regex='a+'), num_draft=2)
 
 
 @pytest.mark.parametrize('name', ['gemma3', 'llama3', 'qwen3'])
@@ -168,6 +173,81 @@ def test_greedy_constrained_checkpoint_drafters(target, kind, draft):
   got, _ = engine.generate(RAGGED_PROMPTS, max_new_tokens=20, sampling=sampling, num_draft=3)
   assert [r.tokens for r in got] == [r.tokens for r in want]
   assert sum(r.spec.drafted for r in got) > 0
+
+
+@pytest.fixture(scope='module')
+def damped_and_reader(tmp_path_factory):
+  """`test_eagle3`'s reader head over the damped tiny Llama 3: a tree drafter whose drafts are often accepted."""
+  from test_eagle3 import reader_head  # pylint: disable=g-import-not-at-top
+
+  damped = damped_target(specjax.load(f'{FIXTURES}/tiny_llama3'), 0.7)
+  return damped, reader_head(damped, str(tmp_path_factory.mktemp('reader_head')))
+
+
+def root_mask_only():
+  """A mutant of the tree masks: only the root's state masks the target; its nodes' masks allow every token."""
+  real = RowGrammars.tree_step
+
+  def tree_step(self, *args):
+    inputs = real(self, *args)
+    inputs.bitmask[:, 1:] = -1
+    return inputs
+
+  return pytest.MonkeyPatch.context(), tree_step
+
+
+@pytest.mark.parametrize(
+    'options', [{'tree_topk': 2, 'tree_tokens': 6}, {'tree_parents': '0,0,1,1,2,3'}], ids=['dynamic', 'static']
+)
+def test_greedy_constrained_trees_equal_constrained_autoregressive(damped_and_reader, options):
+  """Draft trees under a grammar (each node masked by the state after its path, refused nodes cut): greedy output
+  equals constrained AR at K = 3, trees are accepted and cut; with the nodes' masks left out it does not."""
+  damped, reader = damped_and_reader
+  engine = specjax.Engine(damped, page_size=4, drafter=make_drafter('eagle3', damped, draft_model=reader, **options))
+  # regexes whose masks change along a path and that the reader's drafts often pass (REGEX and SCHEMA cut them)
+  for regex in ('[^e]*e[^a]*a[^o]*', '([a-m ]+[n-z ]+)+'):
+    sampling = specjax.SamplingParams(regex=regex)
+    want, _ = specjax.Engine(damped, page_size=4).generate(RAGGED_PROMPTS, max_new_tokens=24, sampling=sampling)
+    got, _ = engine.generate(RAGGED_PROMPTS, max_new_tokens=24, sampling=sampling, num_draft=3)
+    assert [r.tokens for r in got] == [r.tokens for r in want], regex
+    assert 10 <= sum(r.spec.accepted for r in got) < sum(r.spec.drafted for r in got), regex
+  sampling = specjax.SamplingParams(regex='[^e]*')
+  want, _ = specjax.Engine(damped, page_size=4).generate(RAGGED_PROMPTS, max_new_tokens=24, sampling=sampling)
+  patch, tree_step = root_mask_only()
+  with patch as p:
+    p.setattr(RowGrammars, 'tree_step', tree_step)
+    forget_steps(engine)
+    try:
+      mutant, _ = engine.generate(RAGGED_PROMPTS, max_new_tokens=24, sampling=sampling, num_draft=3)
+      assert [r.tokens for r in mutant] != [r.tokens for r in want]
+    except SpecjaxError as e:  # or a row emits what its grammar refuses
+      assert 'grammar refuses' in str(e)
+
+
+def test_sampled_constrained_trees_keep_the_constrained_law(damped_and_reader):
+  """A static tree (3 children of the root, 2 + 1 below) of the reader head's q under `[^e]*`: children the
+  grammar refuses are cut, the kept ones verified with q' = normalize(q m) from their parent's state. The first
+  three tokens have the constrained target's exact law; the verifier mutants fail it (the head's q is sharp, so
+  leaving it unmasked is caught by the test below, where q puts half its mass on a refused token)."""
+  damped, reader = damped_and_reader
+  regex = '[^aeo]*'
+  grammar = compile_constraint(damped, ('regex', regex))
+  sampling = specjax.SamplingParams(temperature=1.0, seed=6, regex=regex)
+  drafter = make_drafter('eagle3', damped, draft_model=reader, tree_parents='0,0,0,1,1,2')
+  engine = specjax.Engine(damped, page_size=8, drafter=drafter)
+  prompt = engine.encode(['The capital of France is'])[0]
+
+  results, _ = assert_target_law(
+      engine,
+      damped,
+      prompt,
+      sampling,
+      n=500,
+      k=2,
+      mutants=('residual-not-reduced', 'ratio-off-by-one'),
+      allowed=allowed_after(damped, grammar),
+  )
+  assert sum(r.spec.accepted for r in results) > 300
 
 
 def test_sample_and_match_is_the_constrained_sampler(tiny_model):
@@ -250,6 +330,51 @@ def test_cut_drafts_verify_with_the_masked_law_and_a_fresh_stream():
   assert pvalues['real'] > 1e-3 and max(pvalues['q-not-renormalised'], pvalues['cut-reuses-noise']) < 1e-6, pvalues
 
 
+def test_tree_children_verify_with_their_masked_laws():
+  """The tree verifier alone over V = 4 (tokens 0-2 allowed, 3 refused): two children of the root drawn without
+  replacement from q (Gumbel top-2), a refused one cut (`node_ok`), the kept ones verified with their laws masked
+  by the root's state (`tree_laws`). The first token follows p' = normalize(p m); verifying with q as drawn does
+  not (q puts half its mass on the refused token)."""
+  rows = 20_000
+  sampling = specjax.SamplingParams(temperature=1.0, seed=2)
+  p = np.array([0.3, 0.2, 0.2, 0.3])
+  q = np.array([0.3, 0.05, 0.15, 0.5])
+  rng = np.random.default_rng(0)
+  first, second = np.argsort(-(np.log(q) - np.log(-np.log(rng.random((rows, 4))))), axis=1)[:, :2].T
+  q_second = np.tile(q, (rows, 1))
+  q_second[np.arange(rows), first] = 0.0
+  q_drawn = np.stack([np.zeros((rows, 4)), np.tile(q, (rows, 1)), q_second / q_second.sum(1, keepdims=True)], 1)
+  tokens = jnp.asarray(np.stack([np.zeros(rows), first, second], 1), jnp.int32)
+  parents = jnp.zeros((rows, 3), jnp.int32)
+  bitmask = jnp.full((rows, 3, 1), 0b0111, jnp.int32)
+  logits = mask_logits(jnp.log(jnp.tile(jnp.asarray(p, jnp.float32), (rows, 3, 1))), bitmask)
+  node_ok = tokens != 3
+  seq_ids = jnp.arange(rows, dtype=jnp.int32)
+  want = np.array([0.3, 0.2, 0.2]) / 0.7
+
+  def pvalue(q_verified):
+    _, _, out = verify_lib.verify_tree(
+        logits,
+        tokens,
+        parents,
+        jnp.full((rows,), 3),
+        jnp.asarray(q_verified, jnp.float32),
+        sampling,
+        seq_ids,
+        jnp.full((rows,), 5),
+        max_depth=1,
+        node_ok=node_ok,
+    )
+    counts = np.bincount(np.asarray(out[:, 0]), minlength=4)
+    assert counts[3] == 0
+    return stats.chisquare(counts[:3], want * rows).pvalue
+
+  masked = tree_laws(jnp.asarray(q_drawn[:, 1:], jnp.float32), parents[:, 1:], bitmask)
+  pvalues = {'real': pvalue(jnp.concatenate([jnp.zeros((rows, 1, 4)), masked], 1)), 'q-not-masked': pvalue(q_drawn)}
+  print('p-values:', pvalues)
+  assert pvalues['real'] > 1e-3 and pvalues['q-not-masked'] < 1e-6, pvalues
+
+
 def test_json_schema_outputs_validate(tiny_model):
   sampling = specjax.SamplingParams(temperature=1.0, seed=7, json_schema=SCHEMA)
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter('grammar+ngram', tiny_model))
@@ -305,6 +430,26 @@ def test_scheduler_mixes_constrained_and_plain_requests(tiny_model, draft_model)
     results = [h.result(timeout=300) for h in handles]
   for prompt, sampling, result in zip(prompts, samplings, results):
     want, _ = specjax.Engine(tiny_model, page_size=4).generate([prompt], max_new_tokens=24, sampling=sampling)
+    assert result.tokens == want[0].tokens, sampling.constraint
+  assert sum(r.stats.accepted for r, s in zip(results, samplings) if s.constraint) > 0
+
+
+def test_scheduler_serves_constrained_trees(damped_and_reader):
+  """The scheduler with a tree drafter: constrained and plain requests in one batch, each equal to constrained
+  (or plain) AR, the constrained ones accepting tree nodes."""
+  from specjax.engine.requests import Request  # pylint: disable=g-import-not-at-top
+  from specjax.engine.scheduler import Scheduler  # pylint: disable=g-import-not-at-top
+
+  damped, reader = damped_and_reader
+  drafter = make_drafter('eagle3', damped, draft_model=reader, tree_topk=2, tree_tokens=6)
+  engine = specjax.Engine(damped, page_size=4, drafter=drafter, max_draft=3)
+  samplings = [specjax.SamplingParams(regex='[^e]*'), specjax.SamplingParams(), specjax.SamplingParams(regex='[^ao]*')]
+  ids = engine.encode(RAGGED_PROMPTS)
+  with Scheduler(engine, max_slots=4, max_seq_len=96).start() as scheduler:
+    handles = [scheduler.submit(Request(p, 24, sampling=s, num_draft=3)) for p, s in zip(ids, samplings)]
+    results = [h.result(timeout=300) for h in handles]
+  for prompt, sampling, result in zip(RAGGED_PROMPTS, samplings, results):
+    want, _ = specjax.Engine(damped, page_size=4).generate([prompt], max_new_tokens=24, sampling=sampling)
     assert result.tokens == want[0].tokens, sampling.constraint
   assert sum(r.stats.accepted for r, s in zip(results, samplings) if s.constraint) > 0
 

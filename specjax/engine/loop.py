@@ -304,15 +304,22 @@ class Engine:
     shapes = jax.eval_shape(
         lambda s: propose_phase(self.model.graphdef, self.model.params, dparams, s, **static), state
     )
-    inputs = grammars.step(np.zeros((batch, k), np.int32), np.zeros(batch, np.int32), np.zeros(batch, bool))
+    drafts, parents = shapes[1].drafts, shapes[1].parents  # a chain's [B, K] or a tree's [B, N]
+    inputs = grammars.step(
+        np.zeros(drafts.shape, np.int32),
+        np.zeros(batch, np.int32),
+        np.zeros(batch, bool),
+        parents=None if parents is None else np.zeros(parents.shape, np.int32),
+    )
     verify_exe = self.executables.get(
         'verify_grammar', constrained_verify_phase, (dparams, *shapes, eos_ids, inputs), static, (2,)
     )
 
     def speculate(state):
       state, prop = propose(self.model.params, dparams, state)
-      drafts, draft_lens = jax.device_get((prop.drafts, prop.draft_lens))
-      inputs = grammars.step(drafts, draft_lens, grammars.active, forced_first=self.drafter.forced_first)
+      drafts, draft_lens, parents = jax.device_get((prop.drafts, prop.draft_lens, prop.parents))
+      forced_first = self.drafter.forced_first
+      inputs = grammars.step(drafts, draft_lens, grammars.active, forced_first=forced_first, parents=parents)
       state, out = verify_exe(self.model.params, dparams, state, prop, eos_ids, inputs)
       out = jax.device_get(out)
       tokens, emitted, accepted, _, active, _ = out
@@ -401,10 +408,6 @@ class Engine:
       raise SpecjaxError(f'{len(request_ids)} request ids for {len(ids)} prompts')
     grammar = None
     if sampling.constraint is not None:
-      if policy and self.drafter.tree_tokens:
-        raise SpecjaxError(
-            f'constrained decoding verifies chains: {self.drafter.name} drafts trees (drop the tree options)'
-        )
       grammar = compile_constraint(self.model, sampling.constraint)  # a bad schema, regex or grammar: an error now
       sampling = sampling.unconstrained()
     eos = self.model.generation.eos_token_ids or self.model.tokenizer.eos_ids

@@ -336,8 +336,6 @@ class Scheduler:
     if any(not isinstance(s, str) or not s for s in request.stop):
       raise SpecjaxError('stop strings must be non-empty strings')
     if request.sampling.constraint is not None:
-      if self.drafter and self.drafter.tree_tokens:
-        raise SpecjaxError(f'constrained requests verify chains: this server drafts trees ({self.drafter.name})')
       compile_constraint(self.model, request.sampling.constraint)  # a bad schema, regex or grammar: an error now
     need = len(request.prompt) + request.max_tokens + self.lookahead
     if need > self.capacity:
@@ -685,8 +683,9 @@ class Scheduler:
       return out
     # Constrained rows: draft, cut and mask on the host (`specjax.grammar.rows`), then verify.
     self.state, prop = self._call('propose', slots.propose_rows, (dparams, self.state, rows, depths), static, (2,))
-    drafts, draft_lens = jax.device_get((prop.drafts, prop.draft_lens))
-    inputs = grammars.step(drafts, draft_lens, grammars.active, forced_first=self.drafter.forced_first)
+    drafts, draft_lens, parents = jax.device_get((prop.drafts, prop.draft_lens, prop.parents))
+    forced_first = self.drafter.forced_first
+    inputs = grammars.step(drafts, draft_lens, grammars.active, forced_first=forced_first, parents=parents)
     args = (dparams, self.state, rows, prop, inputs)
     self.state, out = self._call('verify_grammar', slots.verify_rows, args, static, donate=(2,))
     return out

@@ -14,6 +14,14 @@ A constrained speculative step runs in two executables with this in between:
   verify (jit, `GrammarInputs`) -> the emitted tokens
   `RowGrammars.commit` (host): each matcher consumes what its row emitted.
 
+Draft trees (`RowGrammars.tree_step`): each root-to-leaf path is validated,
+a node under a refused token is cut (`GrammarInputs.valid`), and node i's
+mask is the state's after the path to it: it masks the target at i and the
+law its children were drawn from. Children are drawn without replacement from
+q (on `STREAM_TREE`, apart from the verifier's streams); those the grammar
+allows, in order, are draws without replacement from q' = normalize(q m),
+which the verifier renormalises after each rejected one, as for plain trees.
+
 Why the law of the constrained target p' = normalize(p m) stays exact:
 drafts kept before the cut are valid, so their law given the step is
 q' = normalize(q m); verification compares p' with q', the residual and the
@@ -105,8 +113,11 @@ class RowGrammars:
       active: np.ndarray,  # [B] bool
       *,
       forced_first: bool = False,
+      parents: np.ndarray | None = None,  # [B, K] a draft tree's (`tree_step`), None: chains
   ) -> GrammarInputs:
     """Forced drafts, cuts and the K + 1 masks of one speculative step (host arrays)."""
+    if parents is not None:
+      return self.tree_step(drafts, parents, draft_lens, active)
     start = time.perf_counter()
     b, k = drafts.shape
     bitmask = np.full((b, k + 1, self.words), -1, np.int32)
@@ -135,11 +146,69 @@ class RowGrammars:
       fill_next_token_bitmask_par_with_draft_tokens(_executor(), with_drafts, flat)
     if len(with_drafts) < len(jobs):
       fill_next_token_bitmask_par(_executor(), [job[:2] for job in jobs if not job[2]], flat)
-    for matcher, _, _ in jobs:
+    self._check([job[0] for job in jobs])
+    self.host_s += time.perf_counter() - start
+    valid = np.arange(k)[None, :] < draft_lens[:, None]
+    return GrammarInputs(bitmask, drafts, draft_lens, forced, fresh, valid)
+
+  def tree_step(
+      self,
+      drafts: np.ndarray,  # [B, N] node tokens, breadth-first
+      parents: np.ndarray,  # [B, N] each node's parent in the verify block (0: the root, node i is i + 1)
+      num_nodes: np.ndarray,  # [B] the row's nodes (the rest is padding)
+      active: np.ndarray,  # [B] bool
+  ) -> GrammarInputs:
+    """Cuts and the N + 1 node masks of one draft-tree step: one `validate_tokens` and one masks call per
+    root-to-leaf path (a matcher is in one job per parallel call: the paths of a row go in rounds)."""
+    start = time.perf_counter()
+    b, n = drafts.shape
+    bitmask = np.full((b, n + 1, self.words), -1, np.int32)
+    valid = np.ones((b, n), bool)
+    rounds: list[list] = []  # rounds[r]: (matcher, row, block indices of the path's kept nodes, their tokens)
+    for row, matcher in enumerate(self.matchers):
+      if matcher is None or not active[row]:
+        continue
+      count = int(num_nodes[row])
+      par = parents[row, :count].astype(np.int64)
+      valid[row] = False
+      inner = np.zeros(count + 1, bool)
+      inner[par] = True
+      leaves = [i for i in range(1, count + 1) if not inner[i]] or [0]
+      for r, leaf in enumerate(leaves):
+        path = []
+        while leaf:
+          path.append(leaf)
+          leaf = par[leaf - 1]
+        path.reverse()
+        tokens = drafts[row, np.array(path, np.int64) - 1].tolist() if path else []
+        kept = matcher.validate_tokens(tokens)
+        valid[row, np.array(path[:kept], np.int64) - 1] = True
+        if r == len(rounds):
+          rounds.append([])
+        rounds[r].append((matcher, row, [0, *path[:kept]], tokens[:kept]))
+    for jobs in rounds:
+      scratch = np.full((sum(len(nodes) for _, _, nodes, _ in jobs), self.words), -1, np.int32)
+      offsets = np.cumsum([0] + [len(nodes) for _, _, nodes, _ in jobs])
+      with_drafts = [(m, int(o), t) for (m, _, _, t), o in zip(jobs, offsets) if t]
+      if with_drafts:
+        fill_next_token_bitmask_par_with_draft_tokens(_executor(), with_drafts, scratch)
+      if len(with_drafts) < len(jobs):
+        fill_next_token_bitmask_par(
+            _executor(), [(m, int(o)) for (m, _, _, t), o in zip(jobs, offsets) if not t], scratch
+        )
+      for (_, row, nodes, _), o in zip(jobs, offsets):
+        bitmask[row, nodes] = scratch[o : o + len(nodes)]
+    self._check([job[0] for jobs in rounds for job in jobs])
+    self._forced_lens[:] = 0
+    self.host_s += time.perf_counter() - start
+    none = np.zeros(b, bool)
+    return GrammarInputs(bitmask, np.array(drafts, np.int32), np.array(num_nodes, np.int32), none, none, valid)
+
+  @staticmethod
+  def _check(matchers) -> None:
+    for matcher in matchers:
       if matcher.is_error():  # e.g. a resource limit of the parser (ParserTooComplex)
         raise SpecjaxError(f'grammar: {matcher.get_error().splitlines()[0]}')
-    self.host_s += time.perf_counter() - start
-    return GrammarInputs(bitmask, drafts, draft_lens, forced, fresh)
 
   def commit(self, tokens: np.ndarray, emitted: np.ndarray, accepted: np.ndarray | None = None) -> None:
     """Each constrained row's matcher consumes the row's emitted tokens ([B, T], [B])."""
