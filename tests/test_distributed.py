@@ -1,7 +1,7 @@
 """Multi-host: two real processes on loopback (2 CPU devices each, gloo) = one process with 4 devices.
 
-The processes run a global psum and all-gather over the 4 devices, then `specjax train` through the CLI flags;
-its params and losses match a one-process 4-device run. Process 0 alone prints and writes; a mutant (each process
+The processes run a global psum and all-gather over the 4 devices, then `specjax train` through the CLI flags,
+stopped at step 2 and resumed from process 0's checkpoint; its params and losses match a one-process 4-device run. Process 0 alone prints and writes; a mutant (each process
 feeding process 0's rows) must fail the same comparison. Also: an unreachable coordinator is one error naming it,
 within the timeout; gradient accumulation (train.grad_accum) = one batch, and its per-micro-batch-mean mutant is
 not.
@@ -49,7 +49,9 @@ if mutant:  # every process feeds the first process's rows
     first = np.concatenate([idx[: len(idx) // 2]] * 2)
     return real(first, take, sharding)
   loop.global_batch = global_batch
-rc = cli.main(argv)
+assert cli.main(argv + ['train.stop_after=2']) == 0  # checkpoint 2, saved by process 0
+rc = cli.main(argv)  # resumed: process 0 restores checkpoint 2 and broadcasts it
+assert cli.main(argv + ['train.lr=0.001']) == 2  # process 0's check of --out stops both, with one error line
 print('worker stdout line', pid)
 sys.exit(rc)
 """
@@ -130,9 +132,13 @@ def test_two_processes_train_as_one(data, tmp_path):
     for pid, err in enumerate((err0, err1)):
       line = next(json.loads(s) for s in err.splitlines() if s.startswith('{"pid"'))
       assert line == {'pid': pid, 'psum': 10.0, 'gathered': [1.0, 2.0, 3.0, 4.0]}, line
-    # Process 0 alone prints (the result line, as one process does) and writes; gloo's own lines go to stderr.
-    assert out0.splitlines()[0].split(' (from step')[0] == ref_out.splitlines()[0].split(' (from step')[0]
-    assert out0.splitlines()[1:] == ['worker stdout line 0'] and out1 == ''
+      errors = [s for s in err.splitlines() if s.startswith('error:')]
+      assert len(errors) == 1 and 'holds a training run of another config' in errors[0], errors
+    # Process 0 alone prints (the result lines, as one process does) and writes; gloo's own lines go to stderr.
+    lines = out0.splitlines()
+    assert lines[0].startswith('trained to step 2 of 3 (rerun to resume) (from step 0)'), lines
+    assert lines[1].startswith('trained 3 steps (from step 2)') and ref_out.startswith('trained 3 steps (from step 0)')
+    assert lines[2:] == ['worker stdout line 0'] and out1 == ''
     assert sorted(os.listdir(out)) == sorted(os.listdir(one))
     assert sorted(os.listdir(os.path.join(out, 'checkpoints'))) == ['2', '3']
   lr, steps = cfg['train']['lr'], cfg['train']['steps']
