@@ -2,6 +2,7 @@
 
   python benchmarks/train_step.py [--model gemma-3-270m | random] [--kind eagle3 dflash mtp]
       [--features step cached] [--batch 8] [--len 512] [--dtype float32] [--rounds 3] [--json out.json]
+      [--grad-accum 4 2 1]
 
 For each kind, the drafter of `configs/train_<kind>_gemma3_270m.py` (its draft
 vocabulary, taps, block, TTT unroll, anchors) with `--batch` rows of `--len`
@@ -12,6 +13,8 @@ tokens: random token ids packed four sequences to a row, every token scored.
 the function `specjax train` runs; the first call compiles and is reported
 apart. `--model random` is Gemma 3 270M's shapes with random weights (a device
 without the demo package): the step costs the same, whatever the weights.
+`--grad-accum N ...` times the same batch as N micro-batches (`train.grad_accum`)
+and reports the device's peak memory where it keeps count (GPUs).
 """
 
 from __future__ import annotations
@@ -51,10 +54,10 @@ def random_rows(num_rows: int, length: int, vocab: int, seed: int = 0, per_row: 
   return Packed(tokens, positions, segments, loss_mask)
 
 
-def time_kind(kind: str, target, mode: str, args) -> dict:
+def time_kind(kind: str, target, mode: str, args, accum: int = 1) -> dict:
   cfg = resolve(
       str(ROOT / 'configs' / f'train_{kind}_gemma3_270m.py'),
-      {'train.batch_size': args.batch, 'data.max_len': args.len, 'train.steps': 1000},
+      {'train.batch_size': args.batch, 'data.max_len': args.len, 'train.steps': 1000, 'train.grad_accum': accum},
   )
   b = args.batch
   rows = random_rows(2 * b, args.len, target.config.vocab_size)
@@ -62,10 +65,17 @@ def time_kind(kind: str, target, mode: str, args) -> dict:
   mesh = Mesh(np.asarray(jax.devices()), ('data',))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))
   tx, _ = optimizer(cfg)
-  step_fn, _ = make_steps(trainer, target.graphdef, tx, replicated)
+  step_fn, _ = make_steps(trainer, target.graphdef, tx, replicated, accum)
   state = jax.device_put(first_state(trainer, tx, 0), replicated)
   tparams = jax.device_put(target.params, replicated)
-  result = {'kind': kind, 'features': mode, 'batch': b, 'len': args.len, 'dtype': str(target.dtype)}
+  result = {
+      'kind': kind,
+      'features': mode,
+      'batch': b,
+      'grad_accum': accum,
+      'len': args.len,
+      'dtype': str(target.dtype),
+  }
   feats = None
   if mode == 'cached':
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,6 +102,8 @@ def time_kind(kind: str, target, mode: str, args) -> dict:
   result['step_s'] = statistics.median(times)
   result['step_s_all'] = times
   result['tokens_per_s'] = tokens / result['step_s']
+  stats = jax.devices()[0].memory_stats() or {}
+  result['peak_bytes'] = stats.get('peak_bytes_in_use')  # since the process started (GPUs; None on CPU)
   return result
 
 
@@ -105,6 +117,13 @@ def main():
   p.add_argument('--dtype', default=None, help='target dtype (default: float32 on CPU, bfloat16 on an accelerator)')
   p.add_argument('--rounds', type=int, default=3)
   p.add_argument('--json', default=None)
+  p.add_argument(
+      '--grad-accum',
+      type=int,
+      nargs='+',
+      default=[1],
+      help="micro-batches a step (train.grad_accum); largest first: the peak memory is the process's so far",
+  )
   args = p.parse_args()
   if args.model == 'random':
     from tree_step import gemma3_270m_random  # pylint: disable=g-import-not-at-top
@@ -117,14 +136,16 @@ def main():
   results = []
   for kind in args.kind:
     for mode in args.features:
-      r = time_kind(kind, target, mode, args)
-      results.append({**r, 'device': device, 'model': args.model})
-      extra = f", target features {r['features_s_per_row']:.2f} s a row" if 'features_s_per_row' in r else ''
-      print(
-          f"{kind:7s} target {mode:6s}: {r['step_s']:.2f} s a step, {r['tokens_per_s']:,.0f} tokens/s "
-          f"(compile {r['compile_s']:.1f} s{extra})",
-          flush=True,
-      )
+      for accum in args.grad_accum:
+        r = time_kind(kind, target, mode, args, accum)
+        results.append({**r, 'device': device, 'model': args.model})
+        extra = f", target features {r['features_s_per_row']:.2f} s a row" if 'features_s_per_row' in r else ''
+        extra += f", peak {r['peak_bytes'] / 2**30:.2f} GiB" if r['peak_bytes'] else ''
+        print(
+            f"{kind:7s} target {mode:6s} grad_accum {accum}: {r['step_s']:.2f} s a step, "
+            f"{r['tokens_per_s']:,.0f} tokens/s (compile {r['compile_s']:.1f} s{extra})",
+            flush=True,
+        )
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 

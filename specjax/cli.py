@@ -22,6 +22,7 @@ import os
 import sys
 
 from specjax.errors import SpecjaxError
+from specjax.parallel import distributed
 
 DEBUG_ENV = 'SPECJAX_DEBUG'  # set (not 0): unexpected exceptions keep their traceback
 
@@ -646,6 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument('--out', required=True, help='output directory (checkpoints, metrics, export/)')
   train.add_argument('--quiet', action='store_true', help='no progress bar')
   train.set_defaults(func=cmd_train)
+  for command in sub.choices.values():  # every command runs on one host or several
+    distributed.add_distributed_args(command)
   return parser
 
 
@@ -659,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
       parser.error(f'unrecognized arguments: {" ".join(extra)}')
   _Stdout.open_line = False
   try:
+    distributed.initialize_from_args(args)  # before any backend starts
     return args.func(args)
   except SpecjaxError as e:
     _Stdout.end_line()  # streamed text stops mid-line: the error starts a line of its own

@@ -1,7 +1,7 @@
 """The interface a drafter family implements for `specjax train`, and helpers the families share.
 
   init(key)                                   -> params (an nnx.State of the drafter's weights)
-  loss(params, target, batch, key)            -> (loss, metrics)      (jitted; target: the merged frozen module;
+  loss(params, target, batch, key, norm=None) -> (loss, metrics)      (jitted; target: the merged frozen module;
                                                                        key: None when evaluating)
   export(params, path)                        -> writes the family's upstream layout
   load(path)                                  -> params               (the export read back, for tests)
@@ -9,7 +9,10 @@
 `metrics` holds at least `agree` and `count`, each [positions]: top-1
 agreements with the target and counted predictions per draft position
 (training-time-test step), summed over the batch; `ce` the summed soft
-cross-entropy per position. The families (`mtp`, `eagle3`, `dflash`) import
+cross-entropy per position; `norm` what the loss divides its sums by (summed
+over the batch, so additive over rows). `loss(..., norm=N)` divides by N instead:
+with N the whole batch's, the losses of its parts add up to the whole's
+(gradient accumulation). The families (`mtp`, `eagle3`, `dflash`) import
 this module; the registry (`specjax.train.trainers`) imports them.
 """
 
@@ -37,7 +40,7 @@ class DrafterTrainer:
   def init(self, key) -> Any:
     raise NotImplementedError
 
-  def loss(self, params, target, batch: dict, key) -> tuple[Any, dict]:
+  def loss(self, params, target, batch: dict, key, norm=None) -> tuple[Any, dict]:
     raise NotImplementedError
 
   def export(self, params, path: str) -> None:

@@ -64,7 +64,8 @@ def base_config() -> ml_collections.ConfigDict:
           },
           'train': {
               'steps': 1000,  # 0: export the initialised drafter
-              'batch_size': 8,  # rows per step, over all devices
+              'batch_size': 8,  # rows per step, over all devices (and processes)
+              'grad_accum': 1,  # micro-batches per step: a device holds batch_size / (devices * grad_accum) rows
               'lr': 1e-4,
               'warmup': 0.015,  # fraction of the steps
               'end_lr': 0.0,  # fraction of lr at the last step (cosine)
@@ -193,7 +194,15 @@ def resolve(config, overrides: Iterable[str] | dict | None = None) -> TrainConfi
 
 
 def _check_ranges(v: dict) -> None:
-  positive = ('train.batch_size', 'data.max_len', 'train.ttt_steps', 'train.loss_chunk', 'train.keep', 'drafter.layers')
+  positive = (
+      'train.batch_size',
+      'train.grad_accum',
+      'data.max_len',
+      'train.ttt_steps',
+      'train.loss_chunk',
+      'train.keep',
+      'drafter.layers',
+  )
   for key in positive + ('drafter.anchors',):
     if v[key] < 1:
       raise SpecjaxError(f'config key {key!r} must be at least 1, got {v[key]}')

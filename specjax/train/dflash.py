@@ -157,7 +157,7 @@ class DFlashTrainer(DrafterTrainer):
       x, _ = layer(x, mix)
     return draft.norm(x).reshape(r, a, b, -1)
 
-  def loss(self, params, target, batch: dict, key) -> tuple[jax.Array, dict]:
+  def loss(self, params, target, batch: dict, key, norm=None) -> tuple[jax.Array, dict]:
     hidden, taps = from_batch(batch, len(self.taps)) or target_features(target, batch, self.taps)
     segments, loss_mask = batch['segments'], batch['loss_mask']
     t = segments.shape[1]
@@ -180,7 +180,8 @@ class DFlashTrainer(DrafterTrainer):
         target.logits, target.logits, flat(drafts), flat(th), flat(valid), chunk, by_row=True, hard=self.hard_targets
     )  # [B - 1] each
     w = jnp.exp(-(ks - 1) / self.gamma)
-    return jnp.sum(w * ce) / jnp.maximum(jnp.sum(w * rows), 1e-6), {'ce': ce, 'agree': agree, 'count': count}
+    denominator = jnp.sum(w * (rows if norm is None else norm))
+    return jnp.sum(w * ce) / jnp.maximum(denominator, 1e-6), {'ce': ce, 'agree': agree, 'count': count, 'norm': rows}
 
   def export(self, params, path: str) -> None:
     from specjax.loading.dflash import save_dflash

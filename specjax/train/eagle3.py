@@ -92,12 +92,12 @@ class Eagle3Trainer(DrafterTrainer):
       outs.append(h)
     return outs
 
-  def loss(self, params, target, batch: dict, key) -> tuple[jax.Array, dict]:
+  def loss(self, params, target, batch: dict, key, norm=None) -> tuple[jax.Array, dict]:
     head = nnx.merge(self.graphdef, params)
     hidden, taps = from_batch(batch, len(self.taps)) or target_features(target, batch, self.taps)
     segments, loss_mask = batch['segments'], batch['loss_mask']
     draft_ids = self.draft_ids()
-    total, metrics = 0.0, {'ce': [], 'agree': [], 'count': []}
+    total, metrics = 0.0, {'ce': [], 'agree': [], 'count': [], 'norm': []}
     best = batch.get('target_best')  # cached: only the draft vocabulary is projected
     dist = target_distribution(target.logits, hidden, self.chunk, draft_ids, best)  # once, shifted for every step
     for i, h in enumerate(self.unroll(params, target, batch, taps)):
@@ -106,8 +106,8 @@ class Eagle3Trainer(DrafterTrainer):
       ce, agree, count, rows = soft_ce(
           head.logits, target.logits, h, step_dist, valid, self.chunk, draft_ids, hard=self.hard_targets
       )
-      total = total + self.decay**i * ce / jnp.maximum(rows, 1.0)
-      for name, value in (('ce', ce), ('agree', agree), ('count', count)):
+      total = total + self.decay**i * ce / jnp.maximum(rows if norm is None else norm[i], 1.0)
+      for name, value in (('ce', ce), ('agree', agree), ('count', count), ('norm', rows)):
         metrics[name].append(value)
     return total, {k: jnp.stack(v) for k, v in metrics.items()}
 

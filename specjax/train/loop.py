@@ -6,9 +6,14 @@ features read back from `out/target_features/` each step); the drafter's loss
 comes from its `DrafterTrainer`. Optimizer: AdamW on
 a warmup-cosine schedule after global-norm clipping (optax). Data-parallel over
 every device: a `Mesh` with one `data` axis, batches split over it, params and
-the optimizer state replicated (`jax.distributed.initialize()` first on
-several hosts: every process builds the same global batch and feeds its
-devices' rows). Checkpoints (orbax, atomic: a save cut short leaves only a
+the optimizer state replicated. Several hosts
+(`specjax.parallel.distributed.initialize` first): the mesh spans every
+process's devices, each process reads and feeds only its own devices' rows of
+each global batch, and process 0 alone writes the outputs and checkpoints
+(restored there and broadcast: no shared filesystem needed).
+`train.grad_accum`: a step sums the gradients of that many micro-batches, each
+loss normalised by the whole batch's counts (the same step as one batch, up to
+rounding). Checkpoints (orbax, atomic: a save cut short leaves only a
 temporary folder, ignored and cleaned at the next start) hold params,
 optimizer state, step (= data position: batch s is a pure function of s and
 the seed) and the RNG key; a rerun of the same command resumes from the
@@ -126,32 +131,90 @@ def load_data(cfg: TrainConfig, target, *, progress: bool = True) -> tuple[data_
 
 
 class _Checkpoints:
-  """Orbax checkpoints of {params, opt_state, step, rng} in out/checkpoints, the last `keep` kept."""
+  """Orbax checkpoints of {params, opt_state, step, rng} in out/checkpoints, the last `keep` kept.
+
+  Several processes: process 0 alone saves (host copies of the replicated state) and restores, then broadcasts
+  what it read, so the other hosts need no copy of the folder.
+  """
 
   def __init__(self, path: str, keep: int):
     import orbax.checkpoint as ocp
 
-    self.ocp = ocp
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True)
-    self.manager = ocp.CheckpointManager(os.path.abspath(path), options=options)
+    self.ocp, self.manager, self.multi = ocp, None, jax.process_count() > 1
+    if jax.process_index() == 0:
+      os.makedirs(path, exist_ok=True)
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=keep,
+          enable_async_checkpointing=False,
+          create=False,  # made above: orbax refuses to with `active_processes`
+          multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0}),
+      )
+      self.manager = ocp.CheckpointManager(os.path.abspath(path), options=options)
 
   def latest(self) -> int | None:
-    return self.manager.latest_step()
+    step = self.manager.latest_step() if self.manager else None
+    if self.multi:
+      from jax.experimental import multihost_utils
+
+      step = int(multihost_utils.broadcast_one_to_all(np.int64(-1 if step is None else step)))
+    return None if step is None or step < 0 else step
 
   def save(self, step: int, state: dict) -> None:
-    self.manager.save(step, args=self.ocp.args.StandardSave(state), force=True)
-    self.manager.wait_until_finished()
+    if self.manager:
+      state = jax.device_get(state) if self.multi else state
+      self.manager.save(step, args=self.ocp.args.StandardSave(state), force=True)
+      self.manager.wait_until_finished()
 
   def restore(self, step: int, like: dict) -> dict:
-    abstract = jax.tree.map(self.ocp.utils.to_shape_dtype_struct, like)
-    return self.manager.restore(step, args=self.ocp.args.StandardRestore(abstract))
+    state = like
+    if self.manager:
+      abstract = jax.tree.map(self.ocp.utils.to_shape_dtype_struct, like)
+      state = self.manager.restore(step, args=self.ocp.args.StandardRestore(abstract))
+    if self.multi:
+      from jax.experimental import multihost_utils
+
+      state = multihost_utils.broadcast_one_to_all(jax.device_get(state))
+    return state
 
   def close(self) -> None:
-    self.manager.close()
+    if self.manager:
+      self.manager.close()
+
+
+def global_batch(idx: np.ndarray, take, sharding) -> dict:
+  """{name: global array [B, ...]} of the rows `idx` [B] split over `sharding`'s devices.
+
+  `take(rows)` -> {name: [len(rows), ...]} reads rows; each process reads only those of its own devices.
+  """
+  spans = {}
+  for index in sharding.addressable_devices_indices_map((len(idx),)).values():
+    start, stop, _ = index[0].indices(len(idx))
+    if (start, stop) not in spans:
+      spans[start, stop] = take(idx[start:stop])
+  first = next(iter(spans.values()))
+
+  def piece(name, index):
+    start, stop, _ = index[0].indices(len(idx))
+    return spans[start, stop][name][(slice(None),) + tuple(index[1:])]
+
+  return {
+      name: jax.make_array_from_callback((len(idx),) + v.shape[1:], sharding, lambda index, n=name: piece(n, index))
+      for name, v in first.items()
+  }
+
+
+def replicate(tree, sharding):
+  """`tree`'s arrays, the same in every process, as global arrays replicated over `sharding`'s devices."""
+  put = lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda index, x=np.asarray(x): x[index])
+  return jax.tree.map(put, jax.device_get(tree))
 
 
 def _metrics_log(out: str, start: int):
-  """metrics.jsonl with the lines past `start` (written after the checkpoint a resume starts from) dropped."""
+  """metrics.jsonl with the lines past `start` (written after the checkpoint a resume starts from) dropped.
+
+  Processes other than 0 write nothing (a null file)."""
+  if jax.process_index() != 0:
+    return open(os.devnull, 'w', encoding='utf-8')
   path = os.path.join(out, METRICS)
   keep = []
   if os.path.isfile(path):
@@ -196,22 +259,26 @@ def first_state(trainer, tx, seed: int) -> dict:
   }
 
 
-def make_steps(trainer, graphdef, tx, replicated):
+def make_steps(trainer, graphdef, tx, replicated, grad_accum: int = 1):
   """(train step, eval step), jitted: what `run_training` runs, for benchmarks to time.
 
   train step: (state, target params, batch) -> (state, metrics), the state
   (params, opt_state, step, rng) donated; eval step: (params, target params,
-  batch) -> metrics, no RNG (fixed anchors, no dropout).
+  batch) -> metrics, no RNG (fixed anchors, no dropout). `grad_accum` > 1:
+  the batch in that many micro-batches, their gradients summed (`accumulate`).
   """
   import optax
   from flax import nnx
 
-  def loss_fn(params, tparams, batch, step_key):
-    return trainer.loss(params, nnx.merge(graphdef, tparams), batch, step_key)
+  def loss_fn(params, tparams, batch, step_key, norm=None):
+    return trainer.loss(params, nnx.merge(graphdef, tparams), batch, step_key, norm)
 
   def train_step(state, tparams, batch):
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state['rng']), state['step'] + 1)
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'], tparams, batch, step_key)
+    if grad_accum == 1:
+      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'], tparams, batch, step_key)
+    else:
+      loss, metrics, grads = accumulate(loss_fn, state['params'], tparams, batch, step_key, grad_accum, replicated)
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
     metrics = {**metrics, 'loss': loss, 'grad_norm': optax.tree.norm(grads)}
@@ -220,6 +287,32 @@ def make_steps(trainer, graphdef, tx, replicated):
   step_fn = jax.jit(train_step, donate_argnums=(0,), out_shardings=(replicated, replicated))
   eval_fn = jax.jit(lambda p, tp, batch: loss_fn(p, tp, batch, None)[1], out_shardings=replicated)
   return step_fn, eval_fn
+
+
+def accumulate(loss_fn, params, tparams, batch: dict, key, n: int, replicated):
+  """(loss, metrics, grads) of `batch` [B, ...] from `n` micro-batches of B / n rows, gradients summed in a scan.
+
+  Micro-batch m holds rows m, m + n, m + 2n, ...: with B / devices a multiple of n, every device holds a share
+  of each. A first pass sums the micro-batches' normalisers (`norm`: what the loss divides by, a function of
+  the batch alone; XLA drops the rest of that pass), and each micro-batch's loss divides by the total, so the
+  parts add up to the whole batch's loss and gradient. Micro-batch m draws with fold_in(key, m).
+  """
+  split = jax.sharding.NamedSharding(replicated.mesh, jax.sharding.PartitionSpec(None, 'data'))
+  micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)  # [n, B / n, ...]
+  micro = jax.lax.with_sharding_constraint(micro, jax.tree.map(lambda _: split, micro))
+  keys = jax.vmap(lambda m: jax.random.fold_in(key, m))(jnp.arange(n))
+  norm_of = lambda b, k: loss_fn(params, tparams, b, k)[1]['norm']
+  first = jax.tree.map(lambda x: x[0], micro)
+  zero = jnp.zeros_like(jax.eval_shape(norm_of, first, key))
+  norm = jax.lax.scan(lambda total, xs: (total + norm_of(*xs), None), zero, (micro, keys))[0]
+  grad_fn = jax.value_and_grad(lambda p, b, k: loss_fn(p, tparams, b, k, norm), has_aux=True)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first, key))
+
+  def body(total, xs):
+    return jax.tree.map(jnp.add, total, grad_fn(params, *xs)), None
+
+  (loss, metrics), grads = jax.lax.scan(body, zeros, (micro, keys))[0]
+  return loss, metrics, grads
 
 
 def _check_out(out: str, cfg: TrainConfig) -> dict | None:
@@ -271,14 +364,19 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
 
   import specjax
 
+  from specjax.parallel.distributed import main_only
+
   started = provenance.now()
   cfg = resolve(config, overrides)
+  main = jax.process_index() == 0  # writes the outputs and speaks; every process trains
+  progress = progress and main
   deadline = time.monotonic() + 60 * cfg['train.time_limit'] if cfg['train.time_limit'] else None
-  old = _check_out(out, cfg)
+  old = main_only(_check_out, out, cfg)
   devices = jax.devices()
-  b = cfg['train.batch_size']
-  if b % len(devices):
-    raise SpecjaxError(f'train.batch_size={b} must be a multiple of the {len(devices)} devices')
+  b, accum = cfg['train.batch_size'], cfg['train.grad_accum']
+  if b % (len(devices) * accum):
+    per = f' x train.grad_accum={accum}' if accum > 1 else ''
+    raise SpecjaxError(f'train.batch_size={b} must be a multiple of the {len(devices)} devices{per}')
   _say(progress, f"target: loading {cfg['target.model']}")
   target = specjax.load(cfg['target.model'], attention_impl=cfg['target.attention_impl'], dtype=cfg['target.dtype'])
   check_config(cfg, target)
@@ -301,15 +399,17 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   if cfg['train.cache_target']:  # the target runs once per row, before the first step
     from specjax.train.features import target_features
 
+    here = FEATURES if main else os.path.join(FEATURES, f'process-{jax.process_index()}')  # a folder of its own
     cache = lambda name, rows: target_features(
-        os.path.join(out, FEATURES, name), target, rows, trainer.taps, batch_size=b, progress=progress
+        os.path.join(out, here, name), target, rows, trainer.taps, batch_size=b, progress=progress
     )
     features = cache('train', train_rows)
     eval_features = cache('eval', eval_rows) if eval_rows is not None else None
   mesh = Mesh(np.asarray(devices), ('data',))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P('data'))
   manifest = _manifest(old, cfg, target, train_rows, len(devices), started)
-  provenance.write_json(os.path.join(out, provenance.MANIFEST), manifest)
+  if main:
+    provenance.write_json(os.path.join(out, provenance.MANIFEST), manifest)
 
   tx, schedule = optimizer(cfg)
   state = first_state(trainer, tx, cfg['train.seed'])
@@ -318,21 +418,27 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   if start:
     state = ckpt.restore(start, state)
   start = int(state['step'])
-  state = jax.device_put(state, replicated)
-  target_params = jax.device_put(target.params, replicated)
-  step_fn, eval_fn = make_steps(trainer, target.graphdef, tx, replicated)
+  state = replicate(state, replicated)
+  target_params = replicate(target.params, replicated)
+  step_fn, eval_fn = make_steps(trainer, target.graphdef, tx, replicated, accum)
   end = min(steps, max(cfg['train.stop_after'], start)) if cfg['train.stop_after'] else steps
   if end > start:
     _say(
         progress,
         f"train: steps {start + 1}..{end} of {steps}{f' (resuming at step {start})' if start else ''}, "
-        f"{b} rows of {cfg['data.max_len']} tokens a step on {len(devices)} device(s); the first step compiles",
+        f"{b} rows of {cfg['data.max_len']} tokens a step on {len(devices)} device(s)"
+        + (f' of {jax.process_count()} processes' if jax.process_count() > 1 else '')
+        + (f' in {accum} micro-batches' if accum > 1 else '')
+        + '; the first step compiles',
     )
   elif steps:
     _say(progress, f'train: {out} is at step {start} of {steps} already; no step to run')
 
   def device_batch(rows: dict) -> dict:
-    return {k: jax.make_array_from_callback(v.shape, split, lambda idx, v=v: v[idx]) for k, v in rows.items()}
+    return global_batch(np.arange(len(rows['tokens'])), lambda i: {k: v[i] for k, v in rows.items()}, split)
+
+  def train_batch(idx: np.ndarray) -> dict:  # this process's rows only
+    return global_batch(idx, lambda i: {**train_rows.take(i), **(features.take(i) if features else {})}, split)
 
   def evaluate() -> dict:
     agree, count = agreement(
@@ -359,12 +465,11 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
   try:
     for step in range(start, end):
       idx = data_lib.batch_rows(len(train_rows), b, step, cfg['train.seed'])
-      rows = {**train_rows.take(idx), **(features.take(idx) if features else {})}
       t0 = time.perf_counter()
-      state, metrics = step_fn(state, target_params, device_batch(rows))
+      state, metrics = step_fn(state, target_params, train_batch(idx))
       metrics = jax.device_get(metrics)
       dt = time.perf_counter() - t0
-      tokens = int((rows['segments'] > 0).sum())
+      tokens = int((train_rows.segments[idx] > 0).sum())
       if step > start:  # the first step compiles
         total_tokens, total_s = total_tokens + tokens, total_s + dt
       done = step + 1
@@ -407,7 +512,8 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
         window['t0'] = time.perf_counter()
       if (save_every and done % save_every == 0) or last:
         ckpt.save(done, state)
-        trainer.export(jax.device_get(state['params']), os.path.join(out, EXPORT))  # servable at every checkpoint
+        if main:
+          trainer.export(jax.device_get(state['params']), os.path.join(out, EXPORT))  # servable at every checkpoint
       if stop_at is not None and done >= stop_at:
         return {**report, 'stopped_at': done, 'params': state['params']}
       if last:
@@ -418,15 +524,16 @@ def run_training(config, out: str, overrides=None, *, progress: bool = True, sto
     log.close()
     ckpt.close()
   report['tokens_per_s'] = total_tokens / total_s if total_s > 0 else None
-  if end <= start:  # no step ran (train.steps=0, or a rerun of a finished run): the loop exported nothing
+  if end <= start and main:  # no step ran (train.steps=0, or a rerun of a finished run): the loop exported nothing
     trainer.export(jax.device_get(state['params']), os.path.join(out, EXPORT))
   from specjax.train.plots import write_curves
 
-  report['plots'] = write_curves(os.path.join(out, METRICS), os.path.join(out, CURVES))
+  report['plots'] = write_curves(os.path.join(out, METRICS), os.path.join(out, CURVES)) if main else []
   report['step'] = int(state['step'])
   ended = 'finished' if report['step'] == steps else 'stopped'  # stopped: by train.stop_after / time_limit
   manifest.update({ended: provenance.now(), 'steps_done': report['step'], 'tokens_per_s': report['tokens_per_s']})
-  provenance.write_json(os.path.join(out, provenance.MANIFEST), manifest)
+  if main:
+    provenance.write_json(os.path.join(out, provenance.MANIFEST), manifest)
   report['params'] = state['params']
   report['export'] = os.path.join(out, EXPORT)
   return report

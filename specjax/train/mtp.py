@@ -53,18 +53,18 @@ class MTPTrainer(DrafterTrainer):
       outs.append(h)
     return outs
 
-  def loss(self, params, target, batch: dict, key) -> tuple[jax.Array, dict]:
+  def loss(self, params, target, batch: dict, key, norm=None) -> tuple[jax.Array, dict]:
     hidden, _ = from_batch(batch, 0) or target_features(target, batch)
     segments, loss_mask = batch['segments'], batch['loss_mask']
-    total, metrics = 0.0, {'ce': [], 'agree': [], 'count': []}
+    total, metrics = 0.0, {'ce': [], 'agree': [], 'count': [], 'norm': []}
     for i, h in enumerate(self.unroll(params, target, batch, hidden)):
       # Row t predicts token t + i + 2 from the target's distribution at row t + i + 1, within its sequence.
       valid = (segments > 0) & (shift(segments, i + 2, -1) == segments) & shift(loss_mask, i + 2, False)
       ce, agree, count, _ = soft_ce(
           target.logits, target.logits, h, shift(hidden, i + 1), valid, self.chunk, hard=self.hard_targets
       )
-      total = total + self.decay**i * ce / jnp.maximum(count, 1.0)
-      for name, value in (('ce', ce), ('agree', agree), ('count', count)):
+      total = total + self.decay**i * ce / jnp.maximum(count if norm is None else norm[i], 1.0)
+      for name, value in (('ce', ce), ('agree', agree), ('count', count), ('norm', count)):
         metrics[name].append(value)
     return total, {k: jnp.stack(v) for k, v in metrics.items()}
 
