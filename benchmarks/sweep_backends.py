@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, 'configs', 'sweep_tiny.py')
 OVERRIDES = [
     'grid.drafter.kind=["ngram"]',
-    'grid.policy.k=[1, 2, 3, 4]',
+    'grid.policy=[{"name": "fixed", "k": 1}, {"name": "fixed", "k": 2}, {"name": "fixed", "k": 3}, {"name": "fixed", "k": 4}]',
     'grid.sampling.seed=[0, 1, 2, 3]',  # 16 cells, one engine
     'max_new_tokens=32',
 ]
