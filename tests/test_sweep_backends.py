@@ -121,10 +121,11 @@ def test_missing_extra_and_bad_options_fail_before_any_work(overrides, tmp_path,
       ({'backend': 'slurm', 'workers': 0}, 'workers must be a positive integer'),
       ({'backend': 'slurm', 'address': 'auto'}, 'address names a Ray cluster'),
       ({'address': 'auto'}, 'the local backend takes neither'),
+      ({'backend': 'slurm'}, 'sbatch is not on'),
   ]:
     with pytest.raises(SpecjaxError, match=message):
       run_sweep(TINY_CONFIG, str(out), overrides, **kw)
   with pytest.raises(SpecjaxError, match='cannot be a grid axis'):
-    run_sweep(TINY_CONFIG, str(out), [*overrides, 'grid.resources.gpus=[0, 1]'], backend='slurm')
+    run_sweep(TINY_CONFIG, str(out), [*overrides, 'grid.resources.gpus=[0, 1]'])
   assert not out.exists()
   shutil.rmtree(out, ignore_errors=True)

@@ -49,6 +49,11 @@ def check_options(backend: str, *, address, workers, retries, slurm_options) -> 
     raise SpecjaxError('slurm_options go with --backend slurm')
   if slurm_options is not None and not isinstance(slurm_options, dict):
     raise SpecjaxError(f'slurm_options must be a dict of submitit parameters, got {slurm_options!r}')
+  if backend == 'slurm' and (slurm_options or {}).get('cluster', 'slurm') == 'slurm' and shutil.which('sbatch') is None:
+    raise SpecjaxError(
+        "SLURM's sbatch is not on this machine's PATH; slurm_options={'cluster': 'local'} "
+        '(--slurm-option cluster=local) runs the jobs as local processes'
+    )
 
 
 def check_resources(resources: dict) -> None:
@@ -194,11 +199,6 @@ class _Slurm(_Results):
 
     options = dict(options or {})
     cluster = options.pop('cluster', 'slurm')
-    if cluster == 'slurm' and shutil.which('sbatch') is None:
-      raise SpecjaxError(
-          "SLURM's sbatch is not on this machine's PATH; slurm_options={'cluster': 'local'} "
-          '(--slurm-option cluster=local) runs the jobs as local processes'
-      )
     res = sweep.resources
     if res['gpus'] != int(res['gpus']):
       raise SpecjaxError(f'--backend slurm takes whole GPUs per cell, got resources.gpus={res["gpus"]}')
