@@ -6,7 +6,7 @@ specjax run -m TARGET [--drafter FAMILY | --mtp] [--draft-model PATH] [--n-predi
 specjax bench -m TARGET [--drafter FAMILY | --mtp] [--prompts FILE.jsonl] [--depths K ...]
 specjax serve -m TARGET [run's drafter flags | --no-spec] [--host 127.0.0.1] [--port 8000] [--max-slots 8]
               [--api-key KEY] [--served-model-name NAME]
-specjax sweep CONFIG [--out DIR] [KEY=VALUE ...]
+specjax sweep CONFIG [--out DIR] [--backend local|ray|slurm] [--address ADDR] [KEY=VALUE ...]
 specjax train CONFIG --out DIR [KEY=VALUE ...]
 
 A user mistake is one `error: ...` line (exit status 2); any other exception one `internal error: ...` line
@@ -521,10 +521,21 @@ def cmd_bench(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-  from specjax.sweep import run_sweep
+  from specjax.sweep import parse_overrides, run_sweep
 
   out = args.out or os.path.join('runs', os.path.splitext(os.path.basename(args.config))[0])
-  report = run_sweep(args.config, out, args.overrides, progress=not args.quiet)
+  slurm = parse_overrides(args.slurm_option) if args.slurm_option else None
+  report = run_sweep(
+      args.config,
+      out,
+      args.overrides,
+      progress=not args.quiet,
+      backend=args.backend,
+      address=args.address,
+      workers=args.workers,
+      retries=args.retries,
+      slurm_options=slurm,
+  )
   print(
       f"{report['cells_run']} cells run, {report['cells_skipped']} already complete; "
       f"results in {out}/ (summary.md, results.jsonl, manifest.json, {len(report['plots'])} plots)"
@@ -636,6 +647,19 @@ def build_parser() -> argparse.ArgumentParser:
   )
   sweep.add_argument('--out', default=None, help='output directory (default: runs/<config file name>)')
   sweep.add_argument('--quiet', action='store_true', help='no progress bar')
+  sweep.add_argument(
+      '--backend', choices=('local', 'ray', 'slurm'), default='local', help='where cells run (default: this process)'
+  )
+  sweep.add_argument('--address', default=None, help='Ray cluster address (default: start a local cluster)')
+  sweep.add_argument('--workers', type=int, default=None, help='cells at a time (ray, slurm; default: all that fit)')
+  sweep.add_argument('--retries', type=int, default=2, help='reruns of a cell whose worker died (ray, slurm)')
+  sweep.add_argument(
+      '--slurm-option',
+      action='append',
+      default=[],
+      metavar='KEY=VALUE',
+      help='submitit parameter, e.g. slurm_partition=gpu timeout_min=60; cluster=local runs local processes',
+  )
   sweep.set_defaults(func=cmd_sweep)
   train = sub.add_parser(
       'train', help=f'train a drafter ({", ".join(TRAINERS)}) against a frozen target; rerun to resume'

@@ -18,6 +18,14 @@ from specjax.provenance import MANIFEST, read_manifest
 
 RESULTS = 'results.jsonl'
 SUMMARY = 'summary.md'
+# The fields of results.jsonl that read a clock: the only ones two backends (or two runs) write differently,
+# with the manifest's started / finished / runs (which also name each run's backend and worker hosts).
+TIMING_FIELDS = ('step_s', 'decode_s', 'prefill_s', 'compile_s', 'decode_s_runs', 'seconds')
+
+
+def comparable(record: dict) -> dict:
+  """A results.jsonl record without its timing fields (what any backend writes identically for fixed policies)."""
+  return {k: v for k, v in record.items() if k not in TIMING_FIELDS}
 
 
 def check_out_dir(out_dir: str, config_hash: str, prompts_sha: str | None) -> dict | None:

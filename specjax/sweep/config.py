@@ -48,6 +48,7 @@ def _drafter_nullable() -> dict[str, type]:
 
 
 CATEGORY_AXIS = 'category'
+RESOURCES = 'resources'  # worker resources: how a sweep runs, not what it computes
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -76,6 +77,8 @@ def base_config() -> ml_collections.ConfigDict:
           'repeats': 1,  # timed runs per batch; the fastest counts (the others are recorded)
           'interleave': False,  # prompt-major order: each batch runs in every cell before the next batch
           'trace': False,  # results.jsonl keeps each speculative step's k, drafts, accepted count and emitted ids
+          # What one cell asks of a worker under `backend='ray'` or `'slurm'` (not part of the config hash).
+          'resources': {'cpus': 1.0, 'gpus': 0.0},
           'grid': {},
       }
   )
@@ -137,6 +140,8 @@ def _check_axis(axis: str, values: Any) -> list:
     return list(values)
   if axis in SECTIONS:
     return [_check_section(axis, v) for v in values]
+  if axis.split('.')[0] == RESOURCES:
+    raise SpecjaxError(f'{axis!r} cannot be a grid axis: every worker of a sweep asks for the same resources')
   if axis not in _SCHEMA:
     raise SpecjaxError(f'unknown grid axis {axis!r} (an axis is a config key, a section, or {CATEGORY_AXIS!r})')
   return [_check_value(axis, v) for v in values]
@@ -182,10 +187,18 @@ class SweepConfig:
     """Identifies what the sweep computes: values that differ from the schema defaults, and the grid."""
     return stable_hash({'base': changed(self.base), 'grid': self.axes})
 
+  @property
+  def resources(self) -> dict:
+    """{'cpus', 'gpus'}: what each cell asks of a Ray or SLURM worker."""
+    return {k.split('.', 1)[1]: v for k, v in self.base.items() if k.split('.')[0] == RESOURCES}
+
 
 def changed(flat: dict) -> dict:
-  """The entries of a flat config that differ from the schema defaults (new fields keep old hashes)."""
-  return {k: v for k, v in flat.items() if k not in _SCHEMA or v != _SCHEMA[k]}
+  """The entries of a flat config that differ from the schema defaults (new fields keep old hashes).
+
+  Worker resources are left out: a sweep resumed on another backend or cluster keeps its hash.
+  """
+  return {k: v for k, v in flat.items() if k.split('.')[0] != RESOURCES and (k not in _SCHEMA or v != _SCHEMA[k])}
 
 
 def resolve(config, overrides: Iterable[str] | dict | None = None) -> SweepConfig:
@@ -262,6 +275,8 @@ def expand(sweep: SweepConfig) -> list[Cell]:
         flat[axis] = value
     flat.update(sweep.pinned)
     flat.pop('name', None)  # the sweep's name does not change what a cell computes
+    for key in [k for k in flat if k.split('.')[0] == RESOURCES]:
+      del flat[key]
     cid = stable_hash(changed(flat))
     if cid not in seen:
       seen.add(cid)

@@ -328,21 +328,56 @@ def prepare(config, overrides=None) -> tuple[SweepConfig, list[Cell], dict]:
   return sweep, cells, policies
 
 
-def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, make_plots: bool = True) -> dict:
+BACKENDS = ('local', 'ray', 'slurm')
+
+
+def run_sweep(
+    config,
+    out_dir: str,
+    overrides=None,
+    *,
+    progress: bool = True,
+    make_plots: bool = True,
+    backend: str = 'local',
+    address: str | None = None,
+    workers: int | None = None,
+    retries: int = 2,
+    slurm_options: dict | None = None,
+) -> dict:
   """Runs every unfinished cell of `config` (a file path, ConfigDict or SweepConfig) into `out_dir`.
 
   Writes manifest.json, results.jsonl, summary.md and the plots; returns
   {'out_dir', 'manifest', 'analysis', 'cells_run', 'cells_skipped', 'plots'}.
   Cells already complete in `out_dir` are skipped; an `out_dir` holding another
   config's results is refused (SpecjaxError), never overwritten.
+
+  `backend='local'` runs the cells in this process. `'ray'` runs each cell as a
+  task on a Ray cluster (`address`; None starts a local one) and `'slurm'` as an
+  element of a submitit job array (`slurm_options`: submitit executor parameters;
+  `{'cluster': 'local'}` runs the jobs as local processes), `workers` cells at a
+  time, each asking for the config's `resources`; a worker that dies is retried
+  up to `retries` times. Workers return rows and this process writes them, in the
+  order the local backend writes them (`specjax.sweep.backends`).
   """
+  if backend not in BACKENDS:
+    raise SpecjaxError(f'unknown sweep backend {backend!r} (choose from {", ".join(BACKENDS)})')
+  if backend != 'local':
+    from specjax.sweep import backends
+
+    backends.require(backend)
+    backends.check_options(backend, address=address, workers=workers, retries=retries, slurm_options=slurm_options)
+  elif address is not None or slurm_options:
+    raise SpecjaxError('address and slurm_options are for the ray and slurm backends; the local backend takes neither')
   sweep, cells, cell_policies = prepare(config, overrides)
+  if backend != 'local':
+    backends.check_resources(sweep.resources)
   prompts_path = spec_bench_path(sweep.base['prompts.path'])
   prompts_sha = provenance.file_sha256(prompts_path)
   manifest = artifacts.check_out_dir(out_dir, sweep.hash, prompts_sha)
   settings = setting_labels(cells)
-  bench = _Workbench(cells, cell_policies)
-  bench.build(cells)
+  if backend == 'local':
+    bench = _Workbench(cells, cell_policies)
+    bench.build(cells)
   os.makedirs(out_dir, exist_ok=True)
   started = provenance.now()
   run_info = {
@@ -351,6 +386,8 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
       'device': provenance.device_description(),
       'versions': provenance.package_versions(),
   }
+  if backend != 'local':
+    run_info['backend'] = backend
   if manifest is None:
     manifest = {
         'name': sweep.base['name'],
@@ -378,29 +415,45 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   if sweep.base['interleave']:  # prompt-major: every cell runs a batch before the next batch starts
     first: dict[tuple, int] = {}
     units.sort(key=lambda u: first.setdefault(tuple(rid for rid, _ in u[2]), len(first)))
+  # Each baseline is decoded by the first unit that needs it (its rows are written before that unit's).
+  owners, owned = set(), set(log.done_baselines)
+  for cell, b, batch in units:
+    baseline_id = baseline_key(cell, batch)
+    if baseline_id not in owned:
+      owned.add(baseline_id)
+      owners.add((cell.id, b))
+  if backend == 'local':
+    source = _LocalUnits(bench, cell_policies)
+  else:
+    order = list(dict.fromkeys(cell.id for cell, _, _ in units))  # cells by their first unit
+    source = backends.start(
+        backend,
+        sweep,
+        [(cid, plan[cid], [(cid, b) in owners for b in range(len(plan[cid]))]) for cid in order],
+        out_dir=out_dir,
+        address=address,
+        workers=workers,
+        retries=retries,
+        slurm_options=slurm_options,
+    )
   left = {c.id: len(plan[c.id]) for c in pending}
   seconds = {c.id: 0.0 for c in pending}
   bar = _Progress(len(units), progress)
-  policy_states: dict[str, Any] = {}  # an adaptive policy learns across its cell's batches
   try:
     for cell, b, batch in units:
-      t_batch = time.perf_counter()
-      policy = cell_policies[cell.id]
-      sampling = _sampling(cell)
-      ids = [rid for rid, _ in batch]
-      baseline_id = _baseline(bench, log, cell, batch, sampling)
-      results, stats, runs = _generate(
-          bench.engine(cell), cell, [p.text for _, p in batch], ids, sampling, policy, policy_states.get(cell.id)
-      )
-      policy_states[cell.id] = stats.policy_state
-      base = {'type': 'request', 'cell': cell.id, 'baseline': baseline_id, 'batch': b, 'decode_s_runs': runs}
-      for row, ((rid, prompt), result) in enumerate(zip(batch, results)):
-        log.write(_row_record(row, result, stats, prompt, rid, base))
+      unit = source.unit(cell, b, batch, (cell.id, b) in owners)
+      if unit['baseline'] is not None:
+        for record in unit['baseline']:
+          log.write(record)
+        log.mark_baseline(unit['baseline'][0]['baseline'])
+      for record in unit['requests']:
+        log.write(record)
       bar.step(f'{cell.label} [{b + 1}/{len(plan[cell.id])}]')
-      seconds[cell.id] += time.perf_counter() - t_batch
+      seconds[cell.id] += unit['seconds']
       left[cell.id] -= 1
       if left[cell.id]:
         continue
+      policy, sampling = cell_policies[cell.id], _sampling(cell)
       log.mark_cell(
           {
               'cell': cell.id,
@@ -421,7 +474,10 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
   finally:
     bar.close()
     log.close()
+    hosts = source.close()
 
+  if hosts:
+    run_info['hosts'] = hosts
   manifest['finished'] = run_info['finished'] = provenance.now()
   run_info.update({'cells_run': len(pending), 'cells_skipped': len(cells) - len(pending)})
   provenance.write_json(os.path.join(out_dir, provenance.MANIFEST), manifest)
@@ -441,6 +497,45 @@ def run_sweep(config, out_dir: str, overrides=None, *, progress: bool = True, ma
       'cells_skipped': len(cells) - len(pending),
       'plots': written,
   }
+
+
+def run_unit(bench: _Workbench, cell: Cell, b: int, batch, policy, policy_state, owns_baseline: bool):
+  """One batch of one cell: ({'baseline': rows | None, 'requests': rows, 'seconds'}, the policy's new state).
+
+  The rows are what results.jsonl gets; `owns_baseline`: this unit also decodes
+  the batch autoregressively (the first unit of the sweep that needs that baseline).
+  """
+  t = time.perf_counter()
+  sampling = _sampling(cell)
+  ids = [rid for rid, _ in batch]
+  baseline_id = baseline_key(cell, batch)
+  baseline = _baseline_rows(bench, cell, batch, sampling, baseline_id) if owns_baseline else None
+  results, stats, runs = _generate(
+      bench.engine(cell), cell, [p.text for _, p in batch], ids, sampling, policy, policy_state
+  )
+  base = {'type': 'request', 'cell': cell.id, 'baseline': baseline_id, 'batch': b, 'decode_s_runs': runs}
+  requests = [
+      _row_record(row, result, stats, prompt, rid, base)
+      for row, ((rid, prompt), result) in enumerate(zip(batch, results))
+  ]
+  return {'baseline': baseline, 'requests': requests, 'seconds': time.perf_counter() - t}, stats.policy_state
+
+
+class _LocalUnits:
+  """The local backend: each unit runs in this process when the runner asks for it."""
+
+  def __init__(self, bench: _Workbench, cell_policies: dict[str, Any]):
+    self.bench, self.policies = bench, cell_policies
+    self.states: dict[str, Any] = {}  # an adaptive policy learns across its cell's batches
+
+  def unit(self, cell: Cell, b: int, batch, owns_baseline: bool) -> dict:
+    out, self.states[cell.id] = run_unit(
+        self.bench, cell, b, batch, self.policies[cell.id], self.states.get(cell.id), owns_baseline
+    )
+    return out
+
+  def close(self) -> None:
+    return None
 
 
 def _generate(
@@ -473,11 +568,10 @@ def _generate(
   return results, stats, runs
 
 
-def _baseline(bench: _Workbench, log: artifacts.ResultsLog, cell: Cell, batch, sampling: SamplingParams) -> str:
-  """Decodes `batch` autoregressively once per (model, prompts, sampling, budget); returns its id."""
+def baseline_key(cell: Cell, batch) -> str:
+  """The id of `batch`'s autoregressive baseline: one per (model, prompts, sampling, budget)."""
   c = cell.config
-  ids = [rid for rid, _ in batch]
-  baseline_id = provenance.stable_hash(
+  return provenance.stable_hash(
       {
           'model': c['model'],
           'attention_impl': c['attention_impl'],
@@ -485,15 +579,18 @@ def _baseline(bench: _Workbench, log: artifacts.ResultsLog, cell: Cell, batch, s
           'max_new_tokens': c['max_new_tokens'],
           'sampling': cell.section('sampling'),
           'prompts': c['prompts.path'],
-          'request_ids': ids,
+          'request_ids': [rid for rid, _ in batch],
       }
   )
-  if baseline_id in log.done_baselines:
-    return baseline_id
+
+
+def _baseline_rows(bench: _Workbench, cell: Cell, batch, sampling: SamplingParams, baseline_id: str) -> list[dict]:
+  """Decodes `batch` autoregressively: its baseline rows."""
+  ids = [rid for rid, _ in batch]
   engine = bench.engine(cell, baseline=True)
   results, stats, runs = _generate(engine, cell, [p.text for _, p in batch], ids, sampling, 0)
   base = {'type': 'baseline', 'baseline': baseline_id, 'k': 0, 'decode_s_runs': runs}
-  for row, ((rid, prompt), result) in enumerate(zip(batch, results)):
-    log.write(_row_record(row, result, stats, prompt, rid, base))
-  log.mark_baseline(baseline_id)
-  return baseline_id
+  return [
+      _row_record(row, result, stats, prompt, rid, base)
+      for row, ((rid, prompt), result) in enumerate(zip(batch, results))
+  ]
