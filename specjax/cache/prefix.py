@@ -122,6 +122,10 @@ class PrefixIndex:
       entry.refs += 1
       entry.tick = self._tick
 
+  def page_of(self, key: bytes) -> int | None:
+    entry = self._by_key.get(key)
+    return None if entry is None else entry.page
+
   def holds(self, page: int) -> bool:
     return page in self._key_of
 

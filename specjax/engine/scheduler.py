@@ -501,8 +501,12 @@ class Scheduler:
     parent, parent_page = self.prefix.root, None
     keys = self.prefix.chain(seq, n)
     for i, (key, page) in enumerate(zip(keys, self.tables[job.slot, :n].tolist())):
-      if not self.prefix.holds(page):
-        self.prefix.insert(key, parent, page, parent_page, seq[i * ps : (i + 1) * ps + lag])
+      if not self.prefix.holds(page) and not self.prefix.insert(
+          key, parent, page, parent_page, seq[i * ps : (i + 1) * ps + lag]
+      ):
+        # Cached already as another page (a hybrid row recomputes the pages past its snapshot): a leaver's later
+        # pages hang under that one (it holds none of them once it has left).
+        page = self.prefix.page_of(key) if leaving else page
       parent, parent_page = key, page
     for pages in [p for p in job.snaps if p <= n]:
       slot = job.snaps.pop(pages)
