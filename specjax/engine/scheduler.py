@@ -707,6 +707,8 @@ class Scheduler:
       if self.prefix.snapshot(self.prefix.chain(job.todo, pages)[-1]) >= 0:
         return -1
       slot = self.prefix.new_snapshot()
+      if slot < 0 and job.snaps:  # the pool holds only this row's own: a later point is worth more
+        slot = job.snaps.pop(min(job.snaps))
       if slot >= 0:
         job.snaps[pages] = slot
     return slot
