@@ -150,7 +150,7 @@ def test_random_joins_leaves_and_evictions_keep_snapshots_sound(ops):
   snapshots at page boundaries it prefills (held by it until its pages join the index); a leaver caches its
   pages, attaches its snapshots (or frees them) and caches its partly filled last page; evictions free their
   snapshots. Each pool slot is in one place only (free, attached, or one live request's), references match the
-  live requests, and partly filled pages are never held."""
+  live requests, a held page's ancestors are held, and partly filled pages are never held."""
   ps, pool, num_snaps = 2, 24, 5
   index, alloc = PrefixIndex(page_size=ps, identity='m', snapshot_slots=num_snaps), PageAllocator(pool, ps)
   live: dict[int, tuple[list[int], list[int], dict[int, int]]] = {}  # seq -> (tokens, pages, pending snapshots)
@@ -182,8 +182,8 @@ def test_random_joins_leaves_and_evictions_keep_snapshots_sound(ops):
       full = index.full_pages(len(tokens))
       keys = index.chain(tokens, full)
       for i, (key, page) in enumerate(zip(keys, pages)):
-        if not index.holds(page):
-          index.insert(key, parent, page, parent_page, tokens[i * ps : (i + 1) * ps])
+        if not index.holds(page) and not index.insert(key, parent, page, parent_page, tokens[i * ps : (i + 1) * ps]):
+          page = index.page_of(key)  # cached as another page: its later pages hang under that one
         parent, parent_page = key, page
       for boundary, slot in snaps.items():
         if not index.attach(keys[boundary - 1], slot):
@@ -204,6 +204,11 @@ def test_random_joins_leaves_and_evictions_keep_snapshots_sound(ops):
         assert held.count(page) == 1
     cached = set(index._key_of)
     assert alloc.free_pages + len(cached | set(held)) == pool - 1
+    for entry in index._by_key.values():  # a held page's ancestors are held: what no request holds can all go
+      up = entry
+      while entry.refs and up.parent is not None:
+        up = index._by_key[up.parent]
+        assert up.refs > 0
     pending = [s for _, _, snaps in live.values() for s in snaps.values()]
     attached = [e.snap for e in index._by_key.values() if e.snap >= 0]
     assert sorted(pending + attached + index._free_snaps) == list(range(num_snaps))
