@@ -1,7 +1,7 @@
 """The prefix cache side by side: time to first token of a repeated long prompt, and a multi-turn chat's prefill.
 
   python benchmarks/prefix_cache.py [-m gemma-3-270m] [--prompt-tokens 1024] [--repeats 3] [--turns 8]
-      [--max-tokens 32] [--json out.json]
+      [--max-tokens 32] [--hybrid tests/fixtures/tiny_qwen3_5] [--only-hybrid] [--json out.json]
 
 Two schedulers on one engine (one slot, greedy, no drafter), the cache on and off, compiled ahead (`warmup`),
 run alternately:
@@ -9,6 +9,8 @@ run alternately:
     + 1 times one after another; the first fills the cache, the median TTFT of the rest is reported;
   * chat: `--turns` turns, each prompt the last prompt, its answer and the next Spec-Bench question, each turn
     sent when the last answer is in; prompt tokens prefilled (the prompt's less the cached ones) and wall time.
+  * hybrid: the same TTFT for `--hybrid` (default: the tiny Qwen3.5, Gated DeltaNet + attention), whose rows
+    restore a snapshot of their recurrent state (`--only-hybrid`: this part alone).
 Outputs are checked equal between the two.
 """
 
@@ -66,25 +68,73 @@ def main(argv=None) -> int:
   p.add_argument('--repeats', type=int, default=3)
   p.add_argument('--turns', type=int, default=8)
   p.add_argument('--max-tokens', type=int, default=32)
+  p.add_argument('--hybrid', default=str(ROOT / 'tests/fixtures/tiny_qwen3_5'), help='a hybrid target ("": none)')
+  p.add_argument('--only-hybrid', action='store_true')
   p.add_argument('--json', default=None)
   args = p.parse_args(argv)
   from serve_load import pick_prompts  # pylint: disable=g-import-not-at-top
 
-  model = specjax.load(args.model)
   questions = [q.text for q in pick_prompts(args.turns + 40)]
+  out = {'model': args.model, 'args': vars(args), 'compile_s': {}}
+  if args.hybrid:
+    out['hybrid'] = hybrid_ttft(specjax.load(args.hybrid), questions, args)
+  if not args.only_hybrid:
+    out.update(dense(args, questions))
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+  return 0
+
+
+def long_prompt(model, questions: list[str], n: int) -> list[int]:
   long = []
   for q in questions:
     long += model.tokenizer.encode(q + '\n\n')
-  if len(long) < args.prompt_tokens:
+  if len(long) < n:
     raise SystemExit(f'the joined prompts have {len(long)} tokens, fewer than --prompt-tokens')
-  prompt = long[: args.prompt_tokens]
+  return long[:n]
+
+
+def hybrid_ttft(model, questions: list[str], args) -> dict:
+  """TTFT of the repeated prompt on a hybrid target, the cache off and on (recurrent-state snapshots)."""
+  prompt = long_prompt(model, questions, args.prompt_tokens)
+  engine = specjax.Engine(model, max_seq_len=args.prompt_tokens + args.max_tokens + 64)
+  schedulers = {
+      name: Scheduler(engine, max_slots=1, max_seq_len=engine.max_seq_len, prefix_cache=on)
+      for name, on in (('off', False), ('on', True))
+  }
+  compile_s = {name: s.warmup() for name, s in schedulers.items()}
+  for s in schedulers.values():
+    s.start()
+  try:
+    runs = {name: ttft(s, prompt, args.repeats, args.max_tokens) for name, s in schedulers.items()}
+    metrics = schedulers['on'].metrics()
+  finally:
+    for s in schedulers.values():
+      s.stop()
+  assert runs['on'][1] == runs['off'][1], 'hybrid outputs differ with the cache'
+  res = {
+      name: {'first_s': t[0], 'repeat_s': t[1:], 'median_repeat_s': statistics.median(t[1:])}
+      for name, (t, _) in runs.items()
+  }
+  t_off, t_on = res['off']['median_repeat_s'], res['on']['median_repeat_s']
+  print(
+      f'hybrid {model.source}: TTFT of a repeated {args.prompt_tokens}-token prompt: {t_off * 1e3:.1f} ms without '
+      f'the cache, {t_on * 1e3:.1f} ms with it ({t_off / t_on:.1f}x lower); first (cold) {res["off"]["first_s"] * 1e3:.1f} '
+      f'vs {res["on"]["first_s"] * 1e3:.1f} ms; {metrics["prefix_snapshots"]} snapshots, {metrics["prefix_restored"]} restored'
+  )
+  return {'ttft': res, 'compile_s': compile_s, 'metrics_on': metrics}
+
+
+def dense(args, questions: list[str]) -> dict:
+  model = specjax.load(args.model)
+  prompt = long_prompt(model, questions, args.prompt_tokens)
   engine = specjax.Engine(model, max_seq_len=4096)
   cap = args.prompt_tokens + args.turns * (args.max_tokens + 256) + 64
   schedulers = {
       name: Scheduler(engine, max_slots=1, max_seq_len=min(cap, 4096), prefix_cache=on)
       for name, on in (('off', False), ('on', True))
   }
-  out = {'model': args.model, 'args': vars(args), 'compile_s': {}}
+  out = {'compile_s': {}}
   for name, s in schedulers.items():
     out['compile_s'][name] = s.warmup()
     s.start()
@@ -115,9 +165,7 @@ def main(argv=None) -> int:
       f'{c_on["prefilled"]} with it ({c_off["prefilled"] / max(c_on["prefilled"], 1):.1f}x fewer); '
       f'wall {c_off["wall_s"]:.1f} s vs {c_on["wall_s"]:.1f} s'
   )
-  if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
-  return 0
+  return out
 
 
 if __name__ == '__main__':

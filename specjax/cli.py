@@ -429,6 +429,8 @@ def cmd_serve(args) -> int:
 
   if args.max_slots < 1:
     raise SpecjaxError(f'--max-slots must be at least 1, got {args.max_slots}')
+  if args.prefix_snapshot_every < 1:
+    raise SpecjaxError(f'--prefix-snapshot-every must be at least 1 page, got {args.prefix_snapshot_every}')
   if not 0 < args.port < 65536:
     raise SpecjaxError(f'--port must be in 1..65535, got {args.port}')
   api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -444,6 +446,7 @@ def cmd_serve(args) -> int:
       max_seq_len=args.max_seq_len,
       num_draft=depth,
       prefix_cache=False if args.no_prefix_cache else None,
+      prefix_snapshot_every=args.prefix_snapshot_every,
   )
   name = args.served_model_name or args.model
   app = serve.app(scheduler, api_key=api_key, model_name=name)
@@ -593,6 +596,13 @@ def build_parser() -> argparse.ArgumentParser:
       '--no-prefix-cache',
       action='store_true',
       help='prefill every prompt in full (default: requests share the KV pages of repeated prefixes)',
+  )
+  serve.add_argument(
+      '--prefix-snapshot-every',
+      type=int,
+      default=8,
+      metavar='N',
+      help='hybrid targets: snapshot the recurrent state every N pages of a prefill, for the prefix cache',
   )
   serve.add_argument(
       '--api-key',

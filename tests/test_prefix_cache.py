@@ -224,12 +224,12 @@ def test_shared_pages_are_never_written_while_others_speculate():
   assert all(np.array_equal(a, b) for a, b in zip(before, after))
 
 
-def test_hybrid_targets_say_the_cache_is_off():
+def test_hybrid_targets_cache_with_snapshots():
   target = specjax.load(f'{FIXTURES}/tiny_qwen3_5')
   engine = specjax.Engine(target, page_size=4)
-  assert Scheduler(engine, max_slots=1).prefix_note.startswith('off: hybrid')
-  with pytest.raises(SpecjaxError, match='recurrent state'):
-    Scheduler(engine, max_slots=1, prefix_cache=True)
+  assert Scheduler(engine, max_slots=1, prefix_snapshot_every=3).prefix_note.endswith('every 3 pages)')
+  with pytest.raises(SpecjaxError, match='prefix_snapshot_every'):
+    Scheduler(engine, max_slots=1, prefix_snapshot_every=0)
 
 
 def test_eviction_under_pressure_keeps_every_output_exact():

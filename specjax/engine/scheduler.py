@@ -21,8 +21,10 @@ newest request is preempted: its pages are freed and it waits at the head of
 the queue to be prefilled again with the tokens it had (its draws are keyed by
 position, so it continues exactly). Full pages of repeated prefixes are shared
 through the prefix cache (`specjax.cache.prefix`): a joining request starts
-past its longest cached run of pages, and a request's committed pages join
-the cache. The executables are bounded: admit,
+past its longest cached run of pages (copying a page it shares only the start
+of), and a request's committed pages join the cache; a hybrid target's row
+starts at a snapshot of its recurrent state, taken where a prefill chunk ends
+on a snapshot boundary. The executables are bounded: admit,
 deactivate and table updates once; decode and one spec step per depth, each
 greedy or sampled, per bucket of live rows (1, 2, 4, ..: a step computes only the live slots); prefill
 one row a call, per chunk bucket (`executable_set`; `warmup` compiles them ahead).
@@ -76,6 +78,7 @@ class _Job:
   length: int = 0  # target cache length once active
   first_pending: bool = False  # prefilled this round; its first token comes with the round's transfer
   matcher: Any = None  # a constrained request's llguidance matcher (`specjax.grammar`): advanced by what it emits
+  snaps: dict[int, int] = dataclasses.field(default_factory=dict)  # pages -> snapshot slot, not yet in the index
 
   @property
   def request(self) -> Request:
@@ -107,9 +110,13 @@ class Scheduler:
       live slot count, learns from the steps), None: the engine's `default_depth()`.
     prefill_budget: prompt tokens prefilled per step, across joining slots (default: the engine's prefill
       chunk).
-    prefix_cache: share full KV pages of repeated prefixes between requests (`specjax.cache.prefix`): None
-      (default) where the target allows it (not yet for hybrid targets, whose recurrent state is not
-      snapshotted: `prefix_note` says so), True (an error where it can't), False (off).
+    prefix_cache: share the KV pages of repeated prefixes between requests (`specjax.cache.prefix`): None
+      (default) where the target and drafter allow it (`prefix_note` says why not), True (an error where it
+      can't), False (off).
+    prefix_snapshot_every: hybrid targets: a recurrent-state snapshot every this many pages of a prefill (and at
+      each prompt's last full page); a cached prefix restores the longest at or before its match.
+    prefix_snapshots: hybrid targets: snapshots the device pool holds (default 4 per slot); the least recently
+      used is dropped when it is full.
   """
 
   def __init__(
@@ -122,9 +129,16 @@ class Scheduler:
       num_draft: int | Policy | None = None,
       prefill_budget: int | None = None,
       prefix_cache: bool | None = None,
+      prefix_snapshot_every: int = 8,
+      prefix_snapshots: int | None = None,
   ):
     if max_slots < 1:
       raise SpecjaxError(f'max_slots must be at least 1, got {max_slots}')
+    if not isinstance(prefix_snapshot_every, int) or prefix_snapshot_every < 1:
+      raise SpecjaxError(f'prefix_snapshot_every must be at least 1 page, got {prefix_snapshot_every!r}')
+    if prefix_snapshots is not None and prefix_snapshots < 1:
+      raise SpecjaxError(f'prefix_snapshots must be at least 1, got {prefix_snapshots}')
+    self.snapshot_every = prefix_snapshot_every
     self.engine = engine
     self.model = engine.model
     self.drafter = engine.drafter
@@ -176,6 +190,8 @@ class Scheduler:
         spec_steps=0,
         prefix_lookup_tokens=0,  # prompt tokens of admissions, looked up in the prefix cache
         prefix_hit_tokens=0,  # of those, found cached (not prefilled)
+        prefix_copied_pages=0,  # cached pages copied on write (a request shares only their start)
+        prefix_restored=0,  # hybrid rows started from a recurrent-state snapshot
         forced_drafted=0,  # grammar-forced drafts verified (`grammar+<family>` on constrained requests)
         forced_accepted=0,
     )
@@ -185,20 +201,22 @@ class Scheduler:
     self.pstate = self.policy.init() if self.policy else None
     self.state = self._initial_state()
     self.fresh = self._initial_state(num_pages=2)  # one empty row, repeated; its pools are never read
-    self.prefix, self.prefix_note = self._prefix_index(prefix_cache)
+    self.snapshots = None  # hybrid targets: the snapshot pool (`slots.snapshot_pool`)
+    self.prefix, self.prefix_note = self._prefix_index(prefix_cache, prefix_snapshots or 4 * max_slots)
     self.pending = np.zeros(max_slots, np.int32)  # drafts_ahead drafters: each slot's drafts for the next step
 
   # -- set-up
 
-  def _prefix_index(self, wanted: bool | None) -> tuple[PrefixIndex | None, str]:
+  def _prefix_index(self, wanted: bool | None, num_snapshots: int) -> tuple[PrefixIndex | None, str]:
     if wanted is False:
       return None, 'off'
-    if self.model.is_hybrid:
-      note = 'off: hybrid targets are not prefix-cached yet (their recurrent state is not snapshotted)'
+    dcaches = [c for c in jax.tree.leaves(self.state.drafter, is_leaf=slots.is_cache) if slots.is_cache(c)]
+    if any(c.state_slot is not None for c in dcaches):
+      note = "off: the drafter's own cache has recurrent state (only the target's is snapshotted)"
       if wanted:
         raise SpecjaxError(f'prefix_cache=True: {note[5:]}')
       return None, note
-    own = any(map(slots.is_cache, jax.tree.leaves(self.state.drafter, is_leaf=slots.is_cache)))
+    own = bool(dcaches)
     # A drafter cache trails the target's by its pending positions (at most a step's K + 1): a page is cached
     # once it lies that far below the request's length, so the drafter's entries in it are written too.
     self.prefix_trail = self.max_depth + 1 if own else 0
@@ -206,7 +224,20 @@ class Scheduler:
     dtype = np.dtype(self.model.dtype).name
     drafter = f'{self.drafter.name}@{id(self.drafter):x}' if own else 'no drafter cache'
     identity = f'{self.model.source}|{self.model.architecture}|{id(self.model.params):x}|{dtype}|{drafter}'
-    return PrefixIndex(self.page_size, identity, lag), 'on'
+    if not self.model.is_hybrid:
+      return PrefixIndex(self.page_size, identity, lag), 'on'
+    self.snapshots = slots.snapshot_pool(self.state.cache, num_snapshots)
+    index = PrefixIndex(self.page_size, identity, lag, snapshot_slots=num_snapshots)
+    return index, f'on (recurrent state snapshotted every {self.snapshot_every} pages)'
+
+  def _snapshot_point(self, job: _Job, start: int, end: int) -> int:
+    """The first position in (start, end] where a hybrid row's prefill snapshots its state (0: none): a multiple
+    of `snapshot_every` pages, or the last full page a repeat of its prompt can match."""
+    point = (start // (self.snapshot_every * self.page_size) + 1) * self.snapshot_every * self.page_size
+    last = min((len(job.todo) - 1) // self.page_size, self.prefix.full_pages(len(job.todo))) * self.page_size
+    if start < last < point:
+      point = last
+    return point if point <= end else 0
 
   def pages_for(self, tokens: int) -> int:
     return math.ceil(tokens / self.page_size)
@@ -280,7 +311,7 @@ class Scheduler:
   def executable_set(self, sampled: bool = True) -> list[str]:
     """Every step and prefill executable steady state may use (compiled on first use, or by `warmup`), and the
     admit / deactivate / block-table updates."""
-    names = ['admit', 'deactivate', 'tables']
+    names = ['admit', 'deactivate', 'tables'] + (['snapshot'] if self.snapshots is not None else [])
     for name, _, args, static, _ in self._shapes(sampled):
       rows = args[2 if name in ('spec', 'prefill') else 1].shape[0]
       extra = f',k={static["k"]}' if name == 'spec' else f',chunk={args[3].shape[1]}' if name == 'prefill' else ''
@@ -370,6 +401,7 @@ class Scheduler:
           prefix_cache=self.prefix_note,
           prefix_cached_pages=self.prefix.cached_pages if self.prefix else 0,
           prefix_evictions=self.prefix.evictions if self.prefix else 0,
+          prefix_snapshots=self.prefix.snapshots if self.prefix else 0,
           waiting=len(self.waiting) + self._inbox.qsize(),
           drafter=self.drafter.name if self.drafter else None,
           accepted_at=list(self.accepted_at),
@@ -447,22 +479,41 @@ class Scheduler:
     """A leaving job's pages: its full committed pages join the prefix cache, cached pages lose its reference,
     the rest are freed."""
     if self.prefix:
-      self._register(job, job.length if job.active else job.prefilled)
+      self._register(job, job.length if job.active else job.prefilled, leaving=True)
       for page in [p for p in pages if self.prefix.holds(p)]:
         self.prefix.release(page)
       pages = [p for p in pages if not self.prefix.holds(p)]
+      for slot in job.snaps.values():  # snapshots of pages that did not join the index
+        self.prefix.free_snapshot(slot)
+      job.snaps.clear()
     self.allocator.give(pages)
 
-  def _register(self, job: _Job, filled: int) -> None:
-    """Caches the job's pages that lie wholly below `filled` committed positions (less the drafter's trail)."""
+  def _register(self, job: _Job, filled: int, leaving: bool = False) -> None:
+    """Caches the job's pages that lie wholly below `filled` committed positions (less the drafter's trail), and
+    the snapshots taken at their ends; a leaving job's partly filled last page too (dense targets: it is copied
+    on write)."""
     seq = list(job.request.prompt) + job.generated
     held = int((self.tables[job.slot] != NULL_PAGE).sum())
-    n = min(self.prefix.full_pages(len(seq)), max(filled - self.prefix_trail, 0) // self.page_size, held)
+    ps, lag, done = self.page_size, self.prefix.key_lag, max(filled - self.prefix_trail, 0)
+    n = min(self.prefix.full_pages(len(seq)), done // ps, held)
     parent, parent_page = self.prefix.root, None
-    for key, page in zip(self.prefix.chain(seq, n), self.tables[job.slot, :n].tolist()):
-      if not self.prefix.holds(page):
-        self.prefix.insert(key, parent, page, parent_page)
+    keys = self.prefix.chain(seq, n)
+    for i, (key, page) in enumerate(zip(keys, self.tables[job.slot, :n].tolist())):
+      if not self.prefix.holds(page) and not self.prefix.insert(
+          key, parent, page, parent_page, seq[i * ps : (i + 1) * ps + lag]
+      ):
+        # Cached already as another page (a hybrid row recomputes the pages past its snapshot): a leaver's later
+        # pages hang under that one (it holds none of them once it has left).
+        page = self.prefix.page_of(key) if leaving else page
       parent, parent_page = key, page
+    for pages in [p for p in job.snaps if p <= n]:
+      slot = job.snaps.pop(pages)
+      if not self.prefix.attach(keys[pages - 1], slot):
+        self.prefix.free_snapshot(slot)
+    valid = min(done, len(seq) - lag) - n * ps
+    if leaving and self.snapshots is None and 0 < valid < ps and n < held:
+      page = int(self.tables[job.slot, n])
+      self.prefix.insert_partial(parent, page, parent_page, seq[n * ps : n * ps + valid + lag], valid)
 
   def _finish(self, job: _Job, reason: str, tokens=(), logprobs=(), deactivate: bool = True) -> None:
     text = job.text[job.sent :]
@@ -491,14 +542,18 @@ class Scheduler:
 
   def _admit(self) -> None:
     free = [i for i, s in enumerate(self.slots) if s is None]
-    joined = []
+    joined, copies, restore = [], [], []  # per joining row: (source, own page) of a copy on write; a snapshot
     while free and self.waiting:
       job = self.waiting[0]
       todo = list(job.request.prompt) + job.generated
       busy = self.max_slots - len(free)
-      hit = self.prefix.match(todo, (len(todo) - 1) // self.page_size) if self.prefix else []  # >= 1 to prefill
+      hybrid = self.snapshots is not None
+      hit = self.prefix.match(todo, (len(todo) - 1) // self.page_size, hybrid) if self.prefix else []  # >= 1 left
       if busy and self.pages_for(len(todo) + self.lookahead) - len(hit) + busy > self._free_pages():
         break  # wait for pages: its prompt, and a page of growth for each busy slot (else it would be preempted)
+      cow = (b'', 0, 0)  # a cached page it shares the start of (dense targets), copied into a page of its own
+      if self.prefix and not hybrid and self.allocator.free_pages:
+        cow = self.prefix.partial(todo, hit, len(todo) - 1 - len(hit) * self.page_size)
       self.waiting.popleft()
       slot = free.pop(0)
       if job.order == 0:  # first admission: its place in line, kept across preemptions
@@ -506,17 +561,21 @@ class Scheduler:
         job.order = self._order
         with self._lock:
           self.counters['prompt_tokens'] += len(job.request.prompt)
-      job.slot, job.todo, job.prefilled, job.active = slot, todo, len(hit) * self.page_size, False
+      job.slot, job.todo, job.prefilled, job.active = slot, todo, len(hit) * self.page_size + cow[2], False
       with self._lock:
+        pages = self.allocator.allocate(slot, cow[2] and (len(hit) + 1) * self.page_size, [p for _, p in hit])
         if self.prefix:
           self.prefix.acquire([key for key, _ in hit])
           self.counters['prefix_lookup_tokens'] += len(todo)
           self.counters['prefix_hit_tokens'] += job.prefilled
-        self.allocator.allocate(slot, 0, shared=[page for _, page in hit])
+          self.counters['prefix_copied_pages'] += bool(cow[2])
+          self.counters['prefix_restored'] += bool(hit and hybrid)
         self.slots[slot] = job
-      if hit:
-        self.tables[slot, : len(hit)] = [page for _, page in hit]
+      if pages:
+        self.tables[slot, : len(pages)] = pages
         self._tables_dirty = True
+      copies.append((cow[1], pages[-1]) if cow[2] else (NULL_PAGE, NULL_PAGE))
+      restore.append(self.prefix.snapshot(hit[-1][0]) if hit and hybrid else -1)
       joined.append(job)
     if not joined:
       return
@@ -537,8 +596,13 @@ class Scheduler:
       if not r.ignore_eos:
         eos[i] = self.eos
     sampling = RowSampling.of(params)
-    args = (self.state, self.fresh, rows, tokens, max_new, num_generated, seq_ids, sampling, eos, lengths)
-    self.state = self._call('admit', slots.admit, args)
+    copy = np.zeros((n, 2), np.int32)
+    copy[: len(copies)] = copies
+    snaps = np.full(n, -1, np.int32)
+    snaps[: len(restore)] = restore
+    restored = (self.snapshots, snaps) if self.snapshots is not None else ()
+    args = (self.state, self.fresh, rows, tokens, max_new, num_generated, seq_ids, sampling, eos, copy, restored)
+    self.state = self._call('admit', slots.admit, args + (lengths,))
 
   def _grow(self, job: _Job, tokens: int) -> None:
     """Pages for `tokens` positions of the job's slot, preempting the newest jobs while the pool is short."""
@@ -579,6 +643,8 @@ class Scheduler:
       if budget <= 0:
         break
       q = min(len(job.todo) - job.prefilled, budget, self.engine.prefill_chunk)
+      if self.snapshots is not None:  # a hybrid's chunk ends on the first snapshot point it reaches
+        q = (self._snapshot_point(job, job.prefilled, job.prefilled + q) or job.prefilled + q) - job.prefilled
       batch.append((job, q))
       budget -= q
     for job, q in batch:
@@ -588,7 +654,7 @@ class Scheduler:
     if not batch:
       return None
     self._push_tables()
-    outs = []
+    outs, snap_rows, snap_slots = [], [], []
     for job, q in batch:  # one row a call: the chunk is the batch (executables: one per chunk bucket)
       t = next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= q)
       tokens = np.zeros((1, t), np.int32)
@@ -615,11 +681,35 @@ class Scheduler:
       name = 'prefill' if job.matcher is None else 'prefill_grammar'
       self.state, out = self._call(name, slots.prefill_rows, args, static, donate=(2,))
       outs.append(out)
+      slot = self._new_snapshot(job, q)
+      if slot >= 0:
+        snap_rows.append(job.slot)
+        snap_slots.append(slot)
       if finish and self.prefix:  # its prompt's pages serve the requests that join while it runs
         with self._lock:
           self._register(job, job.length)
+    if snap_rows:  # one call for the round's snapshots
+      rows, dst = np.full(self.max_slots, self.max_slots, np.int32), np.full(self.max_slots, -1, np.int32)
+      rows[: len(snap_rows)], dst[: len(snap_slots)] = snap_rows, snap_slots
+      self.snapshots = self._call('snapshot', slots.take_snapshots, (self.snapshots, self.state, rows, dst))
     self._prefill_batch = batch
     return outs
+
+  def _new_snapshot(self, job: _Job, q: int) -> int:
+    """A pool slot for the state a hybrid row's chunk of q tokens ended on, when it ended on a snapshot point
+    the index lacks (-1: none)."""
+    pages = job.prefilled // self.page_size
+    if self.snapshots is None or self._snapshot_point(job, job.prefilled - q, job.prefilled) != job.prefilled:
+      return -1
+    with self._lock:
+      if self.prefix.snapshot(self.prefix.chain(job.todo, pages)[-1]) >= 0:
+        return -1
+      slot = self.prefix.new_snapshot()
+      if slot < 0 and job.snaps:  # the pool holds only this row's own: a later point is worth more
+        slot = job.snaps.pop(min(job.snaps))
+      if slot >= 0:
+        job.snaps[pages] = slot
+    return slot
 
   def _after_prefill(self, outs) -> None:
     for (job, _), (tokens, active, logprobs) in zip(self._prefill_batch, outs):

@@ -71,6 +71,44 @@ def keep_rows(new, old, keep: jax.Array):
   return _map_rows(pick, new, old)
 
 
+def copy_pages(state: DecodeState, copies: jax.Array) -> DecodeState:  # copies [R, 2] (source, destination)
+  """Copies pages in every pool of the state (the target's and the drafter's): copy-on-write of a cached page
+  a joining row shares only the start of. (0, 0) pads (the null page onto itself)."""
+  src, dst = copies[:, 0], copies[:, 1]
+  copy = lambda pool: pool.at[:, dst].set(pool[:, src])
+  return map_caches(
+      lambda x: dataclasses.replace(x, k_pages=tuple(map(copy, x.k_pages)), v_pages=tuple(map(copy, x.v_pages))), state
+  )
+
+
+def snapshot_pool(cache: KVCache, size: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+  """`size` empty recurrent-state snapshots: per recurrent layer (ssm [M, N, Dk, Dv], conv [M, W - 1, C])."""
+  return tuple(jnp.zeros((size, *x.shape[2:]), x.dtype) for x in cache.ssm), tuple(
+      jnp.zeros((size, *x.shape[2:]), x.dtype) for x in cache.conv
+  )
+
+
+def take_snapshots(graphdef, params, pool, state: DecodeState, rows, dst):
+  """The pool with the current recurrent state of slots `rows` [R] written at `dst` [R] (-1 or out of range:
+  padding, dropped)."""
+  del graphdef, params
+  cache = state.cache
+  r = jnp.minimum(rows, cache.state_slot.shape[0] - 1)
+  slot = cache.state_slot[r]
+  dst = jnp.where(dst < 0, pool[0][0].shape[0], dst)
+  put = lambda p, x: p.at[dst].set(x[r, slot], mode='drop')
+  return tuple(map(put, pool[0], cache.ssm)), tuple(map(put, pool[1], cache.conv))
+
+
+def restore_snapshots(cache: KVCache, pool, snaps: jax.Array) -> KVCache:  # snaps [R], -1: a fresh state
+  """Rows of `cache` whose recurrent state starts from pool slot `snaps` (in state slot 0)."""
+  has, idx = snaps >= 0, jnp.maximum(snaps, 0)
+  pick = lambda x, p: x.at[:, 0].set(jnp.where(has.reshape((-1,) + (1,) * (p.ndim - 1)), p[idx], x[:, 0]))
+  ssm = tuple(map(pick, cache.ssm, pool[0]))
+  conv = tuple(map(pick, cache.conv, pool[1]))
+  return dataclasses.replace(cache, ssm=ssm, conv=conv, state_slot=jnp.zeros_like(cache.state_slot))
+
+
 def set_tables(state: DecodeState, tables: jax.Array) -> DecodeState:  # tables [B, pages_per_seq]
   """Points every KVCache of the state (the target's and the drafter's) at the host's block tables."""
   return map_caches(lambda x: dataclasses.replace(x, block_tables=tables), state)
@@ -91,13 +129,20 @@ def admit(
     seq_ids,
     sampling,
     eos,
+    copies,
+    restore,
     lengths,
 ):
   """Resets slots `rows` [R] for new requests: `fresh`'s per-row values (empty caches, the drafter's initial
   state), tokens [R, C], budgets, seq ids, each row's sampling settings and EOS ids [R, E]; inactive until
-  its prefill ends. lengths [R]: positions every cache of the row already holds (a cached prefix's pages)."""
+  its prefill ends. copies [R, 2]: pages copied on write first (`copy_pages`); restore: () or (snapshot pool,
+  slots [R]) of hybrid rows starting from a snapshot; lengths [R]: positions every cache of the row already
+  holds (a cached prefix's pages)."""
   del graphdef, params
+  state = copy_pages(state, copies)
   sub = take_rows(fresh, jnp.zeros_like(rows))  # every row of `fresh` is the same empty row
+  if restore:
+    sub = dataclasses.replace(sub, cache=restore_snapshots(sub.cache, *restore))
   sub = map_caches(lambda x: dataclasses.replace(x, lengths=lengths.astype(jnp.int32)), sub)
   sub = dataclasses.replace(
       sub,

@@ -101,6 +101,8 @@ class ServeMetrics:
         ('prefix_lookup_tokens', 'specjax_prefix_cache_queries_total', 'Prompt tokens looked up in the prefix cache.'),
         ('prefix_hit_tokens', 'specjax_prefix_cache_hits_total', 'Prompt tokens found in the prefix cache.'),
         ('prefix_evictions', 'specjax_prefix_cache_evictions_total', 'Cached KV pages evicted.'),
+        ('prefix_copied_pages', 'specjax_prefix_cache_copied_pages_total', 'Cached pages copied on write.'),
+        ('prefix_restored', 'specjax_prefix_cache_restored_total', 'Hybrid rows started from a state snapshot.'),
         ('forced_drafted', 'specjax_grammar_forced_drafts_total', 'Grammar-forced draft tokens verified.'),
         ('forced_accepted', 'specjax_grammar_forced_accepted_total', 'Grammar-forced draft tokens accepted.'),
     )
@@ -112,6 +114,7 @@ class ServeMetrics:
         ('waiting', 'specjax_waiting_requests', 'Requests queued for a slot.'),
         ('free_pages', 'specjax_free_pages', 'KV cache pages a request can get (free, or cached and unused).'),
         ('prefix_cached_pages', 'specjax_prefix_cache_pages', 'KV pages held by the prefix cache.'),
+        ('prefix_snapshots', 'specjax_prefix_cache_snapshots', 'Recurrent-state snapshots in the prefix cache.'),
         ('total_pages', 'specjax_total_pages', 'KV cache pages.'),
     )
     for key, name, help in gauges:
