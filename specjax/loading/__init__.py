@@ -225,6 +225,7 @@ def load(
     quant_group: int = 32,
     quant_embedding: bool = True,
     quant_act: str = 'float',
+    mesh=None,
 ):
   """Loads a model by demo name (`gemma-3-270m`), local path or hub id.
 
@@ -243,13 +244,19 @@ def load(
   `quant_act` ('float', the default, or 'int8'; only with `quant`): 'int8'
   quantizes the activations of every quantized product per block of 32 (or 16)
   inputs and runs integer dot products (`specjax.quant.cpu_kernel`, act int8).
+
+  `mesh` (a `jax.sharding.Mesh` from `specjax.parallel.mesh.make_mesh`): places
+  the params sharded over it (`specjax.parallel.rules`); engines over the model
+  then run every step over the mesh.
   """
   resolve_dtype(dtype)  # a bad name fails before any weight is read
   if quant_group < 2 or quant_group % 2:
     raise SpecjaxError(f'--quant-group must be an even number of inputs, got {quant_group}')
   check_quant_act(quant, quant_act)
+  if mesh is not None and quant not in (None, 'none') and mesh.shape['model'] > 1:
+    raise SpecjaxError(f"--tp {mesh.shape['model']} with --quant {quant} is not supported yet; drop --quant")
   ckpt = load_checkpoint(spec, mtp=mtp, quant=quant, quant_embedding=quant_embedding)
-  return build_model(
+  model = build_model(
       ckpt,
       attention_impl=attention_impl,
       mtp=mtp,
@@ -259,6 +266,11 @@ def load(
       quant_embedding=quant_embedding,
       quant_act=quant_act,
   )
+  if mesh is None:
+    return model
+  from specjax.parallel.rules import shard_model
+
+  return shard_model(model, mesh)
 
 
 def check_groups(abstract: nnx.Module, group: int, source: str) -> None:
