@@ -163,11 +163,12 @@ def build_model(
     quant_group: int = 32,
     quant_embedding: bool = True,
     quant_act: str = 'float',
+    mesh=None,
 ):
   """Builds the NNX module abstractly, splits it once and fills in the weights.
 
   `mtp=True` also builds the checkpoint's MTP head as its own module and params
-  (`model.heads['mtp']`), apart from the target's params. `quant`: see `load`.
+  (`model.heads['mtp']`), apart from the target's params. `quant`, `mesh`: see `load`.
   """
   from specjax.models.base import Model
 
@@ -189,6 +190,10 @@ def build_model(
   check_quant_act(quant, quant_act)
   if quant == 'int4':
     check_groups(abstract, quant_group, ckpt.source)
+  if mesh is not None:
+    from specjax.parallel.rules import check_divisible
+
+    check_divisible(abstract, mesh.shape['model'], ckpt.source)
   graphdef, state = fill(abstract, family.params_from_hf(cfg, ckpt.tensors), dt, ckpt.source)
   if ckpt.tensors:
     extra = sorted(ckpt.tensors)[:5]
@@ -199,7 +204,7 @@ def build_model(
     set_act(state, quant_act)
   quant = quant and describe_quant(state, quant, quant_group, dt, quant_act)
   layout = abstract.cache_layout()
-  return Model(
+  model = Model(
       graphdef,
       state,
       cfg,
@@ -213,6 +218,11 @@ def build_model(
       heads=heads,
       quant=quant,
   )
+  if mesh is None:
+    return model
+  from specjax.parallel.rules import shard_model
+
+  return shard_model(model, mesh)
 
 
 def load(
@@ -256,7 +266,7 @@ def load(
   if mesh is not None and quant not in (None, 'none') and mesh.shape['model'] > 1:
     raise SpecjaxError(f"--tp {mesh.shape['model']} with --quant {quant} is not supported yet; drop --quant")
   ckpt = load_checkpoint(spec, mtp=mtp, quant=quant, quant_embedding=quant_embedding)
-  model = build_model(
+  return build_model(
       ckpt,
       attention_impl=attention_impl,
       mtp=mtp,
@@ -265,12 +275,8 @@ def load(
       quant_group=quant_group,
       quant_embedding=quant_embedding,
       quant_act=quant_act,
+      mesh=mesh,
   )
-  if mesh is None:
-    return model
-  from specjax.parallel.rules import shard_model
-
-  return shard_model(model, mesh)
 
 
 def check_groups(abstract: nnx.Module, group: int, source: str) -> None:

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import argparse
 
-import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
-
 from specjax.errors import SpecjaxError
 
 DATA, MODEL = 'data', 'model'
 
 
-def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
-  """A `dp x tp` mesh over `devices` (default: the first dp * tp local devices), axes ('data', 'model')."""
+def make_mesh(tp: int = 1, dp: int = 1, devices=None):
+  """A `dp x tp` `jax.sharding.Mesh` over `devices` (default: the first dp * tp local devices), axes ('data',
+  'model'), Auto axis types."""
+  import jax
+  import numpy as np
+  from jax.sharding import AxisType, Mesh
+
   for name, n in (('--tp', tp), ('--dp', dp)):
     if not isinstance(n, (int, np.integer)) or n < 1:
       raise SpecjaxError(f'{name} must be a positive number of devices, got {n!r}')
@@ -35,7 +36,7 @@ def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
   return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def mesh_size(mesh: Mesh | None, axis: str) -> int:
+def mesh_size(mesh, axis: str) -> int:
   """Devices along `axis` (1 without a mesh)."""
   return 1 if mesh is None else mesh.shape[axis]
 
@@ -47,7 +48,7 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
   group.add_argument('--dp', type=int, default=1, help='data-parallel devices: batch rows split')
 
 
-def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
+def mesh_from_args(args: argparse.Namespace):
   """The mesh `--tp` / `--dp` ask for (None for one device), checked before any work."""
   tp, dp = getattr(args, 'tp', 1), getattr(args, 'dp', 1)
   if (tp, dp) == (1, 1):

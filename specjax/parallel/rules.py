@@ -172,20 +172,23 @@ def gate_up_columns(hidden: int, tp: int) -> np.ndarray:
   return np.concatenate([np.r_[s * f : (s + 1) * f, hidden + s * f : hidden + (s + 1) * f] for s in range(tp)])
 
 
-def check_divisible(model, tp: int) -> None:
-  """Heads and MLP widths must split over `tp` (KV heads: see `padded_kv_heads`), checked before any work."""
+def check_divisible(module, tp: int, source: str) -> None:
+  """Heads and MLP widths of `module` (abstract or not) must split over `tp` (KV heads: `padded_kv_heads`)."""
   from specjax.models.layers import Attention, GatedMLP
 
-  for path, m in model.module().iter_modules():
+  for path, m in module.iter_modules():
     where = '.'.join(map(str, path))
     if isinstance(m, Attention):
       if m.spec.num_heads % tp:
-        raise SpecjaxError(f'{model.source}: --tp {tp} does not divide the {m.spec.num_heads} heads of {where}')
-      padded_kv_heads(m.spec.num_kv_heads, tp)
+        raise SpecjaxError(f'{source}: --tp {tp} does not divide the {m.spec.num_heads} heads of {where}')
+      try:
+        padded_kv_heads(m.spec.num_kv_heads, tp)
+      except SpecjaxError as e:
+        raise SpecjaxError(f'{source}: {e} ({where})') from None
     elif isinstance(m, GatedMLP):
       f = m.down.get_value().shape[0]
       if f % tp:
-        raise SpecjaxError(f'{model.source}: --tp {tp} does not divide the MLP width {f} of {where}')
+        raise SpecjaxError(f'{source}: --tp {tp} does not divide the MLP width {f} of {where}')
 
 
 def shard_model(model, mesh):
@@ -202,8 +205,8 @@ def shard_model(model, mesh):
   kv_shapes = list(model.kv_shapes)
   graphdef, params = model.graphdef, model.params
   if tp > 1:
-    check_divisible(model, tp)
     module = model.module()
+    check_divisible(module, tp, model.source)
     for _, m in module.iter_modules():
       if isinstance(m, Attention) and m.shards == 1:
         m.qkv_proj.set_value(ops.take_outputs(m.qkv_proj.get_value(), qkv_columns(m.spec, tp), 1))
