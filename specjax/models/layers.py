@@ -11,6 +11,7 @@ H head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -22,6 +23,7 @@ from flax import nnx
 from pallas_kernels.paged_attention import MASK_VALUE, paged_attention
 from specjax.cache.paged import write_kv
 from specjax.models.contract import PagedKV, StepInputs
+from specjax.parallel.attention import sharded_paged_attention
 from specjax.quant import ops
 
 ACTIVATIONS = {
@@ -253,6 +255,7 @@ class Attention(nnx.Module):
     self.spec = spec
     self.impl = impl
     self.shards = 1  # tensor-parallel column blocks of `qkv_proj` (`split_heads`)
+    self.mesh = None  # a sharded target's mesh: the Pallas kernel then runs per shard
 
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:  # x [B, T, D_in]
     """Queries [B, T, N, H], keys and values [B, T, K, H] (normed, rotated; None when shared), the gate (or None)."""
@@ -334,7 +337,8 @@ class Attention(nnx.Module):
           k_pages=write_kv(kv.k_pages, key, inputs.page_ids, inputs.page_slots),
           v_pages=write_kv(kv.v_pages, value, inputs.page_ids, inputs.page_slots),
       )
-    out = paged_attention(
+    attend = paged_attention if self.mesh is None else functools.partial(sharded_paged_attention, self.mesh)
+    out = attend(
         q,
         kv.k_pages,
         kv.v_pages,

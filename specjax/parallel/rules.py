@@ -80,14 +80,17 @@ PARAM_RULES = (
 # param is a conscious choice too.
 DRAFTER_RULES = (
     r'(.*\.)?(fc|fc_norm|embed_tokens|lm_head|hidden_projection|predecessor_codebook|successor_codebook)',
-    r'(.*\.)?(base_kernel|kernel_projection|pre_projection|post_projection|centroids|q_proj|o_proj)',
-    r'(.*\.)?(norm|.*_norm|enorm|hnorm)(\.scale)?',
+    r'(.*\.)?(base_kernel|kernel_projection|pre_projection|post_projection|centroids|token_ordering)',
+    r'(.*\.)?(self_attn|mixer)\.(qkv_proj|q_proj|o_proj)',
+    r'(.*\.)?\w*norm\w*(\.scale)?',
 )
 
 
 def path_name(path) -> str:
   """'layers.#.mixer.qkv_proj' for a params path (layer indices as '#')."""
-  keys = [str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path]
+  keys = [str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path]
+  if isinstance(path[-1], jax.tree_util.GetAttrKey) and keys[-1] == 'value':
+    keys.pop()  # the array inside an `nnx.Variable`
   return '.'.join('#' if k.isdigit() else k for k in keys)
 
 
@@ -193,7 +196,7 @@ def check_divisible(module, tp: int, source: str) -> None:
 
 def shard_model(model, mesh):
   """`model` with its params placed on `mesh` (fused layouts made shard-major, KV heads duplicated as needed)."""
-  from specjax.models.layers import KV_PROJECTIONS, Attention, GatedMLP
+  from specjax.models.layers import Attention, GatedMLP
   from specjax.quant import ops
 
   tp = mesh_size(mesh, MODEL)
@@ -202,23 +205,21 @@ def shard_model(model, mesh):
         f'{model.source}: --tp {tp} with quantized weights ({model.quant}) is not supported yet; '
         'drop --quant, or use --dp alone'
     )
-  kv_shapes = list(model.kv_shapes)
-  graphdef, params = model.graphdef, model.params
-  if tp > 1:
-    module = model.module()
-    check_divisible(module, tp, model.source)
-    for _, m in module.iter_modules():
-      if isinstance(m, Attention) and m.shards == 1:
+  module = model.module()
+  check_divisible(module, tp, model.source)
+  for _, m in module.iter_modules():
+    if isinstance(m, Attention):
+      if tp > 1 and m.shards == 1:
         m.qkv_proj.set_value(ops.take_outputs(m.qkv_proj.get_value(), qkv_columns(m.spec, tp), 1))
-        if KV_PROJECTIONS[m.spec.kv]:
-          m.spec = dataclasses.replace(m.spec, num_kv_heads=padded_kv_heads(m.spec.num_kv_heads, tp))
+        m.spec = dataclasses.replace(m.spec, num_kv_heads=padded_kv_heads(m.spec.num_kv_heads, tp))
         m.shards = tp
-      elif isinstance(m, GatedMLP) and m.shards == 1:
-        hidden = m.down.get_value().shape[0]
-        m.gate_up.set_value(ops.take_outputs(m.gate_up.get_value(), gate_up_columns(hidden, tp), 1))
-        m.shards = tp
-    graphdef, params = nnx.split(module)
-    kv_shapes = [(padded_kv_heads(k, tp), h) for k, h in kv_shapes]
+      m.mesh = mesh
+    elif isinstance(m, GatedMLP) and tp > 1 and m.shards == 1:
+      hidden = m.down.get_value().shape[0]
+      m.gate_up.set_value(ops.take_outputs(m.gate_up.get_value(), gate_up_columns(hidden, tp), 1))
+      m.shards = tp
+  graphdef, params = nnx.split(module)
+  kv_shapes = [(padded_kv_heads(k, tp), h) for k, h in model.kv_shapes]
   params = jax.device_put(params, param_shardings(params, mesh))
   heads = {name: (g, jax.device_put(p, replicated(mesh))) for name, (g, p) in model.heads.items()}
   return dataclasses.replace(model, graphdef=graphdef, params=params, kv_shapes=kv_shapes, heads=heads, mesh=mesh)
