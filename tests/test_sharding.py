@@ -131,26 +131,30 @@ def logits(model, ids):
   return np.asarray(fn(model.params, ids))
 
 def tokens(model, drafter=False):
+  # AR tokens, and with `drafter` also n-gram speculative tokens and accepted drafts (one engine: one prefill).
   engine = specjax.Engine(model, page_size=4, drafter=make_drafter('ngram', model) if drafter else None)
-  results, _ = engine.generate(PROMPTS, max_new_tokens=8, num_draft=3 if drafter else None)
-  return [r.tokens for r in results], sum(r.spec.accepted for r in results) if drafter else 0
+  ar = [r.tokens for r in engine.generate(PROMPTS, max_new_tokens=8, num_draft=0)[0]]
+  if not drafter:
+    return ar
+  results, _ = engine.generate(PROMPTS, max_new_tokens=8, num_draft=3)
+  return ar, [r.tokens for r in results], sum(r.spec.accepted for r in results)
 
 one = specjax.load(PATH)
 ids = np.asarray([one.tokenizer.encode(PROMPTS[0])[:8]], np.int32)
-want, want_logits = tokens(one)[0], logits(one, ids)
+want, want_logits = tokens(one), logits(one, ids)
 out = {{'want': want}}
 for tp, dp in MESHES:
   model = specjax.load(PATH, mesh=make_mesh(tp=tp, dp=dp))
   got = logits(model, ids)
-  ngram, accepted = tokens(model, drafter=True)
+  ar, ngram, accepted = tokens(model, drafter=True)
   out[f'{{tp}}x{{dp}}'] = dict(
-      ar=tokens(model)[0], ngram=ngram, accepted=accepted,
+      ar=ar, ngram=ngram, accepted=accepted,
       logit_err=float(np.abs(got - want_logits).max() / np.abs(want_logits).max()),
       kv=[k for k, _ in model.kv_shapes][:1],
   )
 if {mutant}:  # gate|up columns left in the standard order at --tp 2: each shard multiplies gate by gate
   rules.gate_up_columns = lambda hidden, tp: np.arange(2 * hidden)
-  out['mutant'] = tokens(specjax.load(PATH, mesh=make_mesh(tp=2)))[0]
+  out['mutant'] = tokens(specjax.load(PATH, mesh=make_mesh(tp=2)))
 print(json.dumps(out))
 """
 
@@ -159,14 +163,15 @@ print(json.dumps(out))
 def test_sharded_greedy_equals_one_device(target):
   """TP 2, TP 4 (KV heads duplicated), DP 2, DP 2 x TP 2: the AR and n-gram tokens equal one device's AR tokens,
   the logits agree (sharded sums differ in rounding only); a broken gate|up layout changes the tokens."""
-  out = run_on_devices(GREEDY.format(path=f'{FIXTURES}/{target}', mutant=target == 'tiny_gemma3'))
+  out = run_on_devices(GREEDY.format(path=f'{FIXTURES}/{target}', mutant=target == 'tiny_llama3'))
   want = out.pop('want')
   mutant = out.pop('mutant', None)
   for mesh, got in out.items():
     assert got['ar'] == want, mesh
     assert got['ngram'] == want, mesh
     assert got['logit_err'] < 1e-4, (mesh, got['logit_err'])
-  assert sum(got['accepted'] for got in out.values()) > 0  # drafts were accepted
+  if target == 'tiny_gemma3':  # its greedy text repeats itself: n-gram drafts get accepted
+    assert all(got['accepted'] > 0 for got in out.values()), out
   assert out['4x1']['kv'] == [4]  # 2 KV heads, each duplicated into two of the 4 shards
   if mutant is not None:
     assert mutant != want
@@ -182,7 +187,7 @@ from specjax.parallel.mesh import make_mesh
 from pallas_kernels.paged_attention import ref_paged_attention
 from conftest import assert_target_law
 
-out = {}
+out = {{}}
 # The Pallas kernel per shard (interpret mode) on a 2 x 2 mesh equals the reference on one device.
 rng = np.random.default_rng(0)
 b, t, n, kv, h, page, pps = 2, 3, 4, 2, 16, 4, 4

@@ -283,7 +283,8 @@ def placed_executable(body, mesh, params, args: tuple, donate: tuple[int, ...]):
   out_shardings = step_shardings(out, mesh, batch) if type(out) is tuple else step_shardings((out,), mesh, batch)[0]
   in_params = jax.tree.map(lambda x: x.sharding, params)
   jitted = jax.jit(body, donate_argnums=donate, in_shardings=(in_params, *in_args), out_shardings=out_shardings)
-  compiled = jitted.lower(params, *args).compile()
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), args, in_args)
+  compiled = jitted.lower(params, *abstract).compile()
 
   def call(params, *args):
     return compiled(params, *jax.device_put(args, in_args))
