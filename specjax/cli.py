@@ -23,6 +23,7 @@ import sys
 
 from specjax.errors import SpecjaxError
 from specjax.parallel import distributed
+from specjax.parallel.mesh import add_mesh_args, mesh_from_args
 
 DEBUG_ENV = 'SPECJAX_DEBUG'  # set (not 0): unexpected exceptions keep their traceback
 
@@ -90,6 +91,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
       action='store_false',
       help='keep the embedding and head in float under --quant',
   )
+  add_mesh_args(p)
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -217,7 +219,9 @@ def cmd_generate(args) -> int:
     raise SpecjaxError(f'--max-new-tokens must be at least 1, got {args.max_new_tokens}')
   import specjax
 
-  model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **quant_args(args))
+  model = specjax.load(
+      args.model, attention_impl=args.attention_impl, dtype=args.dtype, mesh=mesh_from_args(args), **quant_args(args)
+  )
   engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len)
   return _generate_and_print(args, model, engine, prompts, sampling, num_draft=0)
 
@@ -365,7 +369,10 @@ def load_engine(args, drafting: bool = True):
     family = get(kind)
     options = family.make_options(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(family.options)})
   heads = {h: True for h in family.heads_for(options)} if family else {}  # e.g. mtp=True: its MTP head too
-  model = specjax.load(args.model, attention_impl=args.attention_impl, dtype=args.dtype, **heads, **quant_args(args))
+  mesh = mesh_from_args(args)
+  model = specjax.load(
+      args.model, attention_impl=args.attention_impl, dtype=args.dtype, mesh=mesh, **heads, **quant_args(args)
+  )
   engine = specjax.Engine(
       model,
       page_size=args.page_size,

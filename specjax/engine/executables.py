@@ -20,9 +20,10 @@ from flax import nnx
 class Executables:
   """AOT-compiled `fn(graphdef, params, *args, **static)` for one model, keyed by name, shapes and statics."""
 
-  def __init__(self, graphdef: nnx.GraphDef, params: Any):
+  def __init__(self, graphdef: nnx.GraphDef, params: Any, mesh=None):
     self.graphdef = graphdef
     self.params = params
+    self.mesh = mesh  # a jax Mesh: every executable runs over it (`specjax.parallel.rules.step_shardings`)
     self.compile_s = 0.0
     self._cache: dict[tuple, Callable] = {}
 
@@ -36,8 +37,13 @@ class Executables:
     exe = self._cache.get(key)
     if exe is None:
       t = time.perf_counter()
-      jitted = jax.jit(functools.partial(fn, self.graphdef, **static), donate_argnums=donate)
-      exe = jitted.lower(self.params, *args).compile()
+      body = functools.partial(fn, self.graphdef, **static)
+      if self.mesh is None:
+        exe = jax.jit(body, donate_argnums=donate).lower(self.params, *args).compile()
+      else:
+        from specjax.parallel.rules import placed_executable
+
+        exe = placed_executable(body, self.mesh, self.params, args, donate)
       self.compile_s += time.perf_counter() - t
       self._cache[key] = exe
     return exe

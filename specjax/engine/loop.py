@@ -129,7 +129,7 @@ class Engine:
     self.max_draft = min(max_draft, drafter.max_depth) if drafter else 0
     self.profile = profile
     self.phase_s = [0.0, 0.0]  # draft, verify seconds of the last profiled step
-    self.executables = Executables(model.graphdef, model.params)
+    self.executables = Executables(model.graphdef, model.params, model.mesh)
     self.scheduler = None  # `serve()`
 
   @property

@@ -184,11 +184,12 @@ def build_model(
     quant_group: int = 32,
     quant_embedding: bool = True,
     quant_act: str = 'float',
+    mesh=None,
 ):
   """Builds the NNX module abstractly, splits it once and fills in the weights.
 
   `mtp=True` also builds the checkpoint's MTP head as its own module and params
-  (`model.heads['mtp']`), apart from the target's params. `quant`: see `load`.
+  (`model.heads['mtp']`), apart from the target's params. `quant`, `mesh`: see `load`.
   """
   from specjax.models.base import Model
 
@@ -210,6 +211,10 @@ def build_model(
   check_quant_act(quant, quant_act)
   if quant == 'int4':
     check_groups(abstract, quant_group, ckpt.source)
+  if mesh is not None:
+    from specjax.parallel.rules import check_divisible
+
+    check_divisible(abstract, mesh.shape['model'], ckpt.source)
   graphdef, state = fill(abstract, family.params_from_hf(cfg, ckpt.tensors), dt, ckpt.source)
   if ckpt.tensors:
     extra = sorted(ckpt.tensors)[:5]
@@ -221,7 +226,7 @@ def build_model(
   quant = quant and describe_quant(state, quant, quant_group, dt, quant_act)
   layout = abstract.cache_layout()
   release_host_memory()
-  return Model(
+  model = Model(
       graphdef,
       state,
       cfg,
@@ -235,6 +240,11 @@ def build_model(
       heads=heads,
       quant=quant,
   )
+  if mesh is None:
+    return model
+  from specjax.parallel.rules import shard_model
+
+  return shard_model(model, mesh)
 
 
 def load(
@@ -247,6 +257,7 @@ def load(
     quant_group: int = 32,
     quant_embedding: bool = True,
     quant_act: str = 'float',
+    mesh=None,
 ):
   """Loads a model by demo name (`gemma-3-270m`), local path or hub id.
 
@@ -265,11 +276,17 @@ def load(
   `quant_act` ('float', the default, or 'int8'; only with `quant`): 'int8'
   quantizes the activations of every quantized product per block of 32 (or 16)
   inputs and runs integer dot products (`specjax.quant.cpu_kernel`, act int8).
+
+  `mesh` (a `jax.sharding.Mesh` from `specjax.parallel.mesh.make_mesh`): places
+  the params sharded over it (`specjax.parallel.rules`); engines over the model
+  then run every step over the mesh.
   """
   resolve_dtype(dtype)  # a bad name fails before any weight is read
   if quant_group < 2 or quant_group % 2:
     raise SpecjaxError(f'--quant-group must be an even number of inputs, got {quant_group}')
   check_quant_act(quant, quant_act)
+  if mesh is not None and quant not in (None, 'none') and mesh.shape['model'] > 1:
+    raise SpecjaxError(f"--tp {mesh.shape['model']} with --quant {quant} is not supported yet; drop --quant")
   ckpt = load_checkpoint(spec, mtp=mtp, quant=quant, quant_embedding=quant_embedding)
   return build_model(
       ckpt,
@@ -280,6 +297,7 @@ def load(
       quant_group=quant_group,
       quant_embedding=quant_embedding,
       quant_act=quant_act,
+      mesh=mesh,
   )
 
 

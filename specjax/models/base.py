@@ -38,6 +38,7 @@ class Model:
   dtype: Any = None  # params and compute dtype (jnp.float32 / jnp.bfloat16)
   heads: dict[str, Any] = dataclasses.field(default_factory=dict)  # built-in drafter heads, apart from params
   quant: str | None = None  # how the weights are quantized ('int8', 'int4-g32', 'auto: Q8_0 x10, ...'), None: float
+  mesh: Any = None  # the jax Mesh the params are placed on (`specjax.parallel`), None: one device
 
   @property
   def is_hybrid(self) -> bool:

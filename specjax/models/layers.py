@@ -11,6 +11,7 @@ H head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -22,6 +23,7 @@ from flax import nnx
 from pallas_kernels.paged_attention import MASK_VALUE, paged_attention
 from specjax.cache.paged import write_kv
 from specjax.models.contract import PagedKV, StepInputs
+from specjax.parallel.attention import sharded_paged_attention
 from specjax.quant import ops
 
 ACTIVATIONS = {
@@ -252,34 +254,51 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(h, eps=spec.eps, offset=spec.norm_offset, dtype=dtype)
     self.spec = spec
     self.impl = impl
+    self.shards = 1  # tensor-parallel column blocks of `qkv_proj` (`split_heads`)
+    self.mesh = None  # a sharded target's mesh: the Pallas kernel then runs per shard
 
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:  # x [B, T, D_in]
     """Queries [B, T, N, H], keys and values [B, T, K, H] (normed, rotated; None when shared), the gate (or None)."""
     s = self.spec
-    b, t, _ = x.shape
-    n, h = s.num_heads, s.head_dim
-    m = KV_PROJECTIONS[s.kv] * s.num_kv_heads
-    qkv = ops.matmul(x, self.qkv_proj[...]).reshape(b, t, -1, h)
-    q = self.q_norm(qkv[:, :, :n]) if s.qk_norm else qkv[:, :, :n]
-    gate = qkv[:, :, n + m :] if s.output_gate else None
-    key, value = self.keys_values(qkv[:, :, n : n + m], positions) if m else (None, None)
+    q, key, value, gate = self.split_heads(ops.matmul(x, self.qkv_proj[...]))
+    q = self.q_norm(q) if s.qk_norm else q
+    key, value = self.keys_values(key, value, positions) if key is not None else (None, None)
     return s.rope(q, positions), key, value, gate
+
+  def split_heads(self, y: jax.Array) -> tuple[jax.Array | None, ...]:  # [B, T, C] fused outputs
+    """The fused outputs as query, key, value and gate heads [B, T, heads, H] (None where the layer has none).
+
+    With `shards` S > 1 the columns are in S blocks, one per tensor-parallel
+    shard, each `[its query | key (| value) (| gate) heads]`
+    (`specjax.parallel.rules.shard_major`): each shard splits its own block.
+    """
+    s = self.spec
+    b, t, _ = y.shape
+    n, k, h, g = s.num_heads, s.num_kv_heads, s.head_dim, self.shards
+    sizes = [n // g] + [k // g] * KV_PROJECTIONS[s.kv] + ([n // g] if s.output_gate else [])
+    y = y.reshape(b, t, g, -1, h)
+    parts = jnp.split(y, np.cumsum(sizes)[:-1], axis=3)
+    parts = [x.reshape(b, t, -1, h) for x in parts]
+    q, kv, gate = parts[0], parts[1 : 1 + KV_PROJECTIONS[s.kv]], parts[-1] if s.output_gate else None
+    key = kv[0] if kv else None
+    value = kv[1] if len(kv) > 1 else key  # k=v: the raw key projection
+    return q, key, value, gate
 
   def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:  # x [B, T, D_in]
     """Keys (normed, rotated) and values [B, T, K, H] only: DFlash's context rows have no queries."""
     s = self.spec
+    if self.shards > 1:
+      return self.project(x, positions)[1:3]
     b, t, _ = x.shape
-    n, h = s.num_heads, s.head_dim
-    m = KV_PROJECTIONS[s.kv] * s.num_kv_heads
+    n, k, h = s.num_heads, s.num_kv_heads, s.head_dim
+    m = KV_PROJECTIONS[s.kv] * k
     w = ops.take_outputs(self.qkv_proj[...], slice(n * h, (n + m) * h), 1)  # query | key (| value) (| gate)
-    return self.keys_values(ops.matmul(x, w).reshape(b, t, m, h), positions)
+    kv = ops.matmul(x, w).reshape(b, t, m, h)
+    return self.keys_values(kv[:, :, :k], kv[:, :, k:] if s.kv == 'own' else kv, positions)
 
-  def keys_values(self, kv: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:  # [B, T, M, H]
-    """The key (and value) projections -> keys (normed, rotated) and values (v-normed) [B, T, K, H]."""
+  def keys_values(self, key: jax.Array, value: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The key and value projections [B, T, K, H] -> keys (normed, rotated) and values (v-normed)."""
     s = self.spec
-    k = s.num_kv_heads
-    key = kv[:, :, :k]
-    value = kv[:, :, k : 2 * k] if s.kv == 'own' else key  # k=v: the raw key projection
     if s.qk_norm:
       key = self.k_norm(key)
     if s.v_norm:
@@ -318,7 +337,8 @@ class Attention(nnx.Module):
           k_pages=write_kv(kv.k_pages, key, inputs.page_ids, inputs.page_slots),
           v_pages=write_kv(kv.v_pages, value, inputs.page_ids, inputs.page_slots),
       )
-    out = paged_attention(
+    attend = paged_attention if self.mesh is None else functools.partial(sharded_paged_attention, self.mesh)
+    out = attend(
         q,
         kv.k_pages,
         kv.v_pages,
@@ -344,9 +364,12 @@ class GatedMLP(nnx.Module):
     self.gate_up = weight(rngs, (dim, 2 * hidden), dtype)  # gate and up side by side: one pass over the weights
     self.down = weight(rngs, (hidden, dim), dtype)
     self.activation = activation
+    self.shards = 1  # tensor-parallel column blocks of `gate_up`, each [its gate | its up]
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D]
-    gate, up = jnp.split(ops.matmul(x, self.gate_up[...]), 2, axis=-1)
+    y = ops.matmul(x, self.gate_up[...])
+    y = y.reshape(*y.shape[:-1], self.shards, 2, -1)
+    gate, up = (z.reshape(*y.shape[:-3], -1) for z in (y[..., 0, :], y[..., 1, :]))
     return ops.matmul(ACTIVATIONS[self.activation](gate) * up, self.down[...])
 
 
