@@ -53,6 +53,13 @@ class _Stdout:
       cls.write('\n')
 
 
+def _int_list(text: str) -> list[int]:
+  try:
+    return [int(x) for x in text.split(',')]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'expected comma-separated integers, got {text!r}') from None
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument(
       '-m',
@@ -432,10 +439,11 @@ def cmd_serve(args) -> int:
     from specjax import serve
   except ImportError as e:
     raise SpecjaxError(f'serving needs fastapi, uvicorn and jinja2 ({e.name} is missing): {SERVE_EXTRA}') from None
-  from specjax.engine.scheduler import Scheduler
+  from specjax.engine.scheduler import Scheduler, check_row_buckets
 
   if args.max_slots < 1:
     raise SpecjaxError(f'--max-slots must be at least 1, got {args.max_slots}')
+  check_row_buckets(args.row_buckets, args.max_slots)
   if args.prefix_snapshot_every < 1:
     raise SpecjaxError(f'--prefix-snapshot-every must be at least 1 page, got {args.prefix_snapshot_every}')
   if not 0 < args.port < 65536:
@@ -454,6 +462,7 @@ def cmd_serve(args) -> int:
       num_draft=depth,
       prefix_cache=False if args.no_prefix_cache else None,
       prefix_snapshot_every=args.prefix_snapshot_every,
+      row_buckets=args.row_buckets,
   )
   name = args.served_model_name or args.model
   app = serve.app(scheduler, api_key=api_key, model_name=name)
@@ -599,6 +608,13 @@ def build_parser() -> argparse.ArgumentParser:
   serve.add_argument('--host', default='127.0.0.1', help='address to bind (default: this machine only)')
   serve.add_argument('--port', type=int, default=8000)
   serve.add_argument('--max-slots', type=int, default=8, help='requests decoded together (batch rows)')
+  serve.add_argument(
+      '--row-buckets',
+      type=_int_list,
+      metavar='N,N,..',
+      help='sub-batch sizes a step runs at, the largest --max-slots (default: powers of two); fewer buckets, fewer '
+      'executables to compile',
+  )
   serve.add_argument(
       '--no-prefix-cache',
       action='store_true',

@@ -428,8 +428,9 @@ def test_scheduler_mixes_constrained_and_plain_requests(tiny_model, draft_model)
   with Scheduler(engine, max_slots=4, max_seq_len=96).start() as scheduler:
     handles = [scheduler.submit(Request(p, 24, sampling=s, num_draft=3)) for p, s in zip(ids, samplings)]
     results = [h.result(timeout=300) for h in handles]
+  reference = specjax.Engine(tiny_model, page_size=4)
   for prompt, sampling, result in zip(prompts, samplings, results):
-    want, _ = specjax.Engine(tiny_model, page_size=4).generate([prompt], max_new_tokens=24, sampling=sampling)
+    want, _ = reference.generate([prompt], max_new_tokens=24, sampling=sampling)
     assert result.tokens == want[0].tokens, sampling.constraint
   assert sum(r.stats.accepted for r, s in zip(results, samplings) if s.constraint) > 0
 
@@ -448,8 +449,9 @@ def test_scheduler_serves_constrained_trees(damped_and_reader):
   with Scheduler(engine, max_slots=4, max_seq_len=96).start() as scheduler:
     handles = [scheduler.submit(Request(p, 24, sampling=s, num_draft=3)) for p, s in zip(ids, samplings)]
     results = [h.result(timeout=300) for h in handles]
+  reference = specjax.Engine(damped, page_size=4)
   for prompt, sampling, result in zip(RAGGED_PROMPTS, samplings, results):
-    want, _ = specjax.Engine(damped, page_size=4).generate([prompt], max_new_tokens=24, sampling=sampling)
+    want, _ = reference.generate([prompt], max_new_tokens=24, sampling=sampling)
     assert result.tokens == want[0].tokens, sampling.constraint
   assert sum(r.stats.accepted for r, s in zip(results, samplings) if s.constraint) > 0
 

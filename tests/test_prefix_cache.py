@@ -145,9 +145,10 @@ def shared_prompts(model) -> list[list[int]]:
   return out
 
 
-def run_served(engine, prompts, prefix_cache, max_tokens=16):
+def run_served(engine, prompts, prefix_cache, max_tokens=16, row_buckets=None):
   """The first prompt alone (it fills the cache), then the rest at once: (results, metrics)."""
-  with Scheduler(engine, max_slots=4, max_seq_len=128, num_draft=3, prefix_cache=prefix_cache) as scheduler:
+  options = dict(num_draft=3, prefix_cache=prefix_cache, row_buckets=row_buckets)
+  with Scheduler(engine, max_slots=4, max_seq_len=128, **options) as scheduler:
     results = served(scheduler, [Request(prompts[0], max_tokens)])
     results += served(scheduler, [Request(p, max_tokens) for p in prompts[1:]])
     return results, scheduler.metrics()
@@ -175,11 +176,11 @@ def test_a_cached_prefix_not_skipped_is_caught(monkeypatch):
   prefills over the shared pages, and the outputs change."""
   target, engine = family_engine('ngram')
   prompts = shared_prompts(target)
-  want, _ = run_served(engine, prompts, False)
+  want, _ = run_served(engine, prompts, False, row_buckets=[4])  # one row bucket: fewer executables to compile
   admit = slots.admit
   monkeypatch.setattr(slots, 'admit', lambda graphdef, params, *args: admit(graphdef, params, *args[:-1], 0 * args[-1]))
   _, engine = family_engine('ngram')  # a fresh engine: the executables are compiled from the mutant
-  got, _ = run_served(engine, prompts, True)
+  got, _ = run_served(engine, prompts, True, row_buckets=[4])
   assert [r.tokens for r in got] != [r.tokens for r in want]
 
 

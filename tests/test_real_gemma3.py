@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, cache_step
 
 pytestmark = pytest.mark.slow
 REFERENCE = json.load(open(f'{FIXTURES}/gemma3_270m_reference.json'))
@@ -33,14 +33,13 @@ def test_last_logits_close_to_reference(real_engine):
   from specjax.cache.paged import KVCache, PageAllocator
 
   model = real_engine.model
-  module = model.module()
+  step = cache_step(model)
   for row in REFERENCE['logits']:
     ids = row['prompt_ids']
     alloc = PageAllocator(9, 16)
     alloc.allocate(0, len(ids))
     cache = KVCache.create(model.kv_shapes, num_pages=9, page_size=16, block_tables=alloc.block_table([0], 8))
-    hidden, _ = module(jnp.asarray([ids]), cache, jnp.asarray([len(ids)]))
-    logits = np.asarray(module.logits(hidden[0, -1]))
+    logits = np.asarray(step(jnp.asarray([ids]), cache, jnp.asarray([len(ids)]))[0][0, -1])
     top = np.array(row['last_logits_top'])
     assert int(np.argmax(logits)) == int(top[0, 0])
     np.testing.assert_allclose(logits[top[:, 0].astype(int)], top[:, 1], atol=2e-3 * np.abs(top[:, 1]).max())

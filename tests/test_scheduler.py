@@ -105,7 +105,7 @@ def test_seeded_sample_equals_offline(tiny_model):
   want = engine.generate(PROMPTS[1:2], max_new_tokens=20, sampling=sampling, request_ids=[3], num_draft=3)[0]
   order, _ = mixed_requests(tiny_model, [], 20, random.Random(1))
   mine = Request(encode(tiny_model, PROMPTS[1]), 20, sampling, seq_id=3)
-  with Scheduler(engine, max_slots=8, max_seq_len=128, num_draft=3) as scheduler:
+  with Scheduler(engine, max_slots=8, max_seq_len=128, num_draft=3, row_buckets=[8]) as scheduler:  # 8 rows vs 1
     results = served(scheduler, order[:7] + [mine] + order[7:])
   assert results[7].tokens == want[0].tokens
 
@@ -119,7 +119,8 @@ def test_sampled_law_holds_under_the_server():
   prompt, sampling = encode(target, 'The cat'), SamplingParams(temperature=1.0, seed=5)
   stop_ids = target.generation.eos_token_ids or target.tokenizer.eos_ids
   pvalues = {}
-  with Scheduler(engine, max_slots=32, max_seq_len=64, num_draft=3) as scheduler:
+  # One row bucket: the law under mixed rows is what is tested here; the buckets are tested above.
+  with Scheduler(engine, max_slots=32, max_seq_len=64, num_draft=3, row_buckets=[32]) as scheduler:
     for name in ('real', 'residual-not-reduced'):
       requests = [Request(prompt, 4, sampling, seq_id=i) for i in range(1500)]
       if name == 'real':
@@ -153,7 +154,10 @@ def test_soak_with_cancels_and_preemption(tiny_model):
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter('ngram', tiny_model), max_draft=3)
   texts = PROMPTS + OTHERS
   solo = {t: r.tokens for t, r in zip(texts, engine.generate(texts, max_new_tokens=40, num_draft=0)[0])}
-  with Scheduler(engine, max_slots=32, max_seq_len=96, num_pages=150, num_draft=Load(3, 1, 8)) as scheduler:
+  # Two row buckets (a step runs 8 or 32 rows): the load moves between them.
+  with Scheduler(
+      engine, max_slots=32, max_seq_len=96, num_pages=150, num_draft=Load(3, 1, 8), row_buckets=[8, 32]
+  ) as scheduler:
     pages = scheduler.metrics()['free_pages']
     handles, checked, cancelled = [], 0, 0
     for i in range(1000):
@@ -227,3 +231,20 @@ def test_steady_state_compiles_nothing(tiny_model):
         name.split('[')[0] in {'admit', 'deactivate', 'tables', 'decode', 'spec', 'prefill', 'start'}
         for name, _ in engine.executables.names()
     )
+
+
+def test_row_buckets_bound_the_step_executables(tiny_model, capsys):
+  """`row_buckets` picks the sub-batch sizes steps compile for (default: powers of two); bad ones fail first."""
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter('ngram', tiny_model))
+  rows = lambda s: sorted({n.split('[rows=')[1].split(',')[0] for n in s.executable_set() if n.startswith('spec')})
+  assert rows(Scheduler(engine, max_slots=6, max_seq_len=64, num_draft=3)) == ['1', '2', '4', '8']
+  one = Scheduler(engine, max_slots=6, max_seq_len=64, num_draft=3, row_buckets=[6, 2])
+  assert rows(one) == ['2', '6'] and one.row_buckets() == [2, 6]
+  assert any(n.startswith('prefill[rows=1,') for n in one.executable_set())  # prefill runs one row a call
+  for bad in ([4], [0, 6], [6, 8], []):
+    with pytest.raises(SpecjaxError, match=r'row_buckets must be positive sub-batch sizes, the largest max_slots'):
+      Scheduler(engine, max_slots=6, max_seq_len=64, row_buckets=bad)
+  from specjax import cli
+
+  assert cli.main(['serve', '-m', TINY, '--max-slots', '8', '--row-buckets', '2,4']) == 2
+  assert 'the largest max_slots (8), got [2, 4]' in capsys.readouterr().err

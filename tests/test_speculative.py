@@ -13,7 +13,7 @@ from specjax import SpecjaxError
 from specjax.cache.paged import KVCache, PageAllocator
 from specjax.drafters import NgramDrafter, make_drafter
 from specjax.depths import step_depth, verify_widths
-from conftest import drafter_options, TINY_SHARDED, perturbed_target
+from conftest import cache_step, drafter_options, TINY_SHARDED, perturbed_target
 
 PROMPTS = [
     'def add(a, b):\n    return a + b\n\ndef add(a, b):\n',  # repetitive: n-gram drafts get accepted
@@ -114,7 +114,7 @@ def fresh_prefill(model, tokens, page_size=4):
   cache = KVCache.create(
       model.kv_shapes, num_pages=pages + 1, page_size=page_size, block_tables=alloc.block_table([0], pages)
   )
-  _, cache = model.module()(jnp.asarray([tokens]), cache, jnp.asarray([len(tokens)], jnp.int32))
+  _, _, cache = cache_step(model)(jnp.asarray([tokens]), cache, jnp.asarray([len(tokens)], jnp.int32))
   return cache
 
 

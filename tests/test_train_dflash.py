@@ -76,9 +76,6 @@ def serve_block(model, draft, tokens: np.ndarray, start: int) -> jax.Array:
 
   target, cfg = model.module(), draft.cfg
   b = cfg.block_size
-  _, _, taps = target.forward(
-      jnp.asarray(tokens[None, :start]), StepInputs.chain(None, jnp.asarray([start]), start), None, cfg.taps
-  )
   pages = -(-(start + b) // 4)
   cache = KVCache.create(
       list(draft.cache_layout().kv_shapes),
@@ -86,12 +83,17 @@ def serve_block(model, draft, tokens: np.ndarray, start: int) -> jax.Array:
       page_size=4,
       block_tables=np.random.default_rng(1).permutation(np.arange(1, pages + 1)).astype(np.int32)[None],
   )
-  ctx = draft.context(jnp.concatenate(taps, axis=-1))
-  cache = draft.append_context(ctx, StepInputs.chain(cache, jnp.asarray([start]), start), cache)
+
+  @jax.jit  # one program per start (eager, each op would compile on its own)
+  def run(prefix, block, cache):
+    _, _, taps = target.forward(prefix, StepInputs.chain(None, jnp.asarray([start]), start), None, cfg.taps)
+    ctx = draft.context(jnp.concatenate(taps, axis=-1))
+    cache = draft.append_context(ctx, StepInputs.chain(cache, jnp.asarray([start]), start), cache)
+    inputs = dataclasses.replace(StepInputs.chain(cache, jnp.asarray([b]), b), mask=block_mask(1, b))
+    return draft.block(target.embed(block), inputs, cache)[0][0]
+
   block = jnp.asarray([[int(tokens[start])] + [cfg.mask_token_id] * (b - 1)], jnp.int32)
-  inputs = dataclasses.replace(StepInputs.chain(cache, jnp.asarray([b]), b), mask=block_mask(1, b))
-  out, _ = draft.block(target.embed(block), inputs, cache)
-  return out[0]
+  return run(jnp.asarray(tokens[None, :start]), block, cache)
 
 
 @pytest.mark.parametrize(
@@ -146,12 +148,12 @@ def check_blocks(model, trainer, params, draft):
   _, taps = jax.jit(lambda b: target_features(target, b, trainer.taps))(batch)
   blocks = jax.jit(lambda p, b, x, a: trainer.blocks(p, target, b, x, a))(params, batch, taps, anchors)
   tokens, segments, positions = (np.asarray(batch[k][0]) for k in ('tokens', 'segments', 'positions'))
+  drafts = jax.jit(lambda h: jnp.argmax(target.logits(h[1:]), axis=-1))
   for i, row in enumerate(np.asarray(anchors[0])):
     seq = tokens[segments == segments[row]]
     want = serve_block(model, draft, seq, int(positions[row]))
     got = blocks[0, i]
     np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()), rtol=0)
-    drafts = lambda h: np.argmax(target.logits(h[1:]), axis=-1)
     np.testing.assert_array_equal(drafts(got), drafts(want))
 
 
@@ -165,7 +167,7 @@ def test_loss_is_the_weighted_soft_ce(model, data):
   batch['loss_mask'] = batch['loss_mask'].at[0, 3:6].set(False)
   key = jax.random.key(5)
   loss, metrics = jax.jit(lambda p, b: trainer.loss(p, target, b, key))(params, batch)
-  hidden, taps = target_features(target, batch, trainer.taps)
+  hidden, taps = jax.jit(lambda b: target_features(target, b, trainer.taps))(batch)
   anchors, keep = sample_anchors(key, batch, trainer.anchors)
   a, keep = np.asarray(anchors[0]), np.asarray(keep[0])
   seg, lm = np.asarray(batch['segments'][0]), np.asarray(batch['loss_mask'][0])
@@ -173,13 +175,14 @@ def test_loss_is_the_weighted_soft_ce(model, data):
   assert keep.all() and len(set(a)) == 8 and ok[a].all()  # 8 distinct anchors whose next token is learned
   again, _ = sample_anchors(key, batch, 64)
   assert sorted(np.asarray(again[0])[np.asarray(_[0])]) == list(np.flatnonzero(ok))  # all of them when asked for more
-  out = trainer.blocks(params, target, batch, taps, anchors)[0]
+  out = jax.jit(lambda p, b, x, a: trainer.blocks(p, target, b, x, a))(params, batch, taps, anchors)[0]
+  logits = jax.jit(target.logits)
   num = den = 0.0
   for k in range(1, 4):
     at = a + k
     valid = (at < 24) & (seg[np.minimum(at, 23)] == seg[a]) & lm[np.minimum(at, 23)]
-    q = jax.nn.log_softmax(target.logits(out[:, k]), -1)
-    p = jax.nn.softmax(target.logits(hidden[0, np.minimum(at, 23) - 1]), -1)
+    q = jax.nn.log_softmax(logits(out[:, k]), -1)
+    p = jax.nn.softmax(logits(hidden[0, np.minimum(at, 23) - 1]), -1)
     ce = -np.sum(np.asarray(p * q), -1)
     num, den = num + np.exp(-(k - 1) / 7) * np.sum(ce * valid), den + np.exp(-(k - 1) / 7) * valid.sum()
     assert metrics['count'][k - 1] == valid.sum()

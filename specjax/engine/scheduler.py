@@ -38,7 +38,7 @@ import math
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +96,18 @@ def _holdback(text: str, stops: tuple[str, ...]) -> int:
   return best
 
 
+def check_row_buckets(row_buckets: Sequence[int] | None, max_slots: int) -> list[int]:
+  """The sub-batch sizes a step runs at, sorted: `row_buckets`, or powers of two up to `max_slots`'s."""
+  if row_buckets is None:
+    return [1 << i for i in range(next_pow2(max_slots).bit_length())]
+  buckets = sorted({int(r) for r in row_buckets})
+  if not buckets or buckets[0] < 1 or buckets[-1] != max_slots:
+    raise SpecjaxError(
+        f'row_buckets must be positive sub-batch sizes, the largest max_slots ({max_slots}), got {list(row_buckets)}'
+    )
+  return buckets
+
+
 class Scheduler:
   """A continuous-batching engine over one `Engine`'s model and drafter.
 
@@ -117,6 +129,9 @@ class Scheduler:
       each prompt's last full page); a cached prefix restores the longest at or before its match.
     prefix_snapshots: hybrid targets: snapshots the device pool holds (default 4 per slot); the least recently
       used is dropped when it is full.
+    row_buckets: the sub-batch sizes a decode or verify step runs at (the live slots round up to one): each is
+      an executable per depth and sampling mode. Default: powers of two up to max_slots'; fewer buckets compile
+      fewer executables (faster start-up) and pad more rows per step.
   """
 
   def __init__(
@@ -131,9 +146,11 @@ class Scheduler:
       prefix_cache: bool | None = None,
       prefix_snapshot_every: int = 8,
       prefix_snapshots: int | None = None,
+      row_buckets: Sequence[int] | None = None,
   ):
     if max_slots < 1:
       raise SpecjaxError(f'max_slots must be at least 1, got {max_slots}')
+    self._row_buckets = check_row_buckets(row_buckets, max_slots)
     if not isinstance(prefix_snapshot_every, int) or prefix_snapshot_every < 1:
       raise SpecjaxError(f'prefix_snapshot_every must be at least 1 page, got {prefix_snapshot_every!r}')
     if prefix_snapshots is not None and prefix_snapshots < 1:
@@ -276,8 +293,8 @@ class Scheduler:
     )
 
   def row_buckets(self) -> list[int]:
-    """Sub-batch sizes a step or prefill runs at: powers of two up to `max_slots`'s."""
-    return [1 << i for i in range(next_pow2(self.max_slots).bit_length())]
+    """Sub-batch sizes a step runs at (`row_buckets`; prefill runs one row a call)."""
+    return list(self._row_buckets)
 
   def exec_depths(self) -> list[int]:
     """Depths a draft-verify step is compiled for: `step_depths` (a slot's depth rounds up to one; drafting
@@ -302,10 +319,12 @@ class Scheduler:
         for k in self.exec_depths():
           static = {'drafter': self.drafter, 'k': k, 'greedy': greedy}
           out.append(('spec', slots.spec_rows, (dparams, self.state, rows, np.zeros(r, np.int32)), static, (2,)))
-        for t in chunks if r == 1 else ():  # prefill runs one row a call
-          args = (dparams, self.state, rows, np.zeros((r, t), np.int32), np.zeros(r, np.int32), np.zeros(r, bool))
-          static = {'drafter': self.drafter, 'greedy': greedy, 'hidden_size': self.model.config.hidden_size}
-          out.append(('prefill', slots.prefill_rows, args, static, (2,)))
+    row = np.full(1, self.max_slots, np.int32)
+    for greedy in modes:
+      for t in chunks:  # prefill runs one row a call
+        args = (dparams, self.state, row, np.zeros((1, t), np.int32), np.zeros(1, np.int32), np.zeros(1, bool))
+        static = {'drafter': self.drafter, 'greedy': greedy, 'hidden_size': self.model.config.hidden_size}
+        out.append(('prefill', slots.prefill_rows, args, static, (2,)))
     return out
 
   def executable_set(self, sampled: bool = True) -> list[str]:
@@ -748,7 +767,7 @@ class Scheduler:
       return None
     live, depths = [live[i] for i in keep], depths[keep]
     self._push_tables()
-    r = next_pow2(len(live))
+    r = next(b for b in self._row_buckets if b >= len(live))
     rows = np.full(r, self.max_slots, np.int32)
     rows[: len(live)] = [j.slot for j in live]
     depths = np.pad(depths, (0, r - len(live)))
