@@ -134,11 +134,13 @@ def test_tokenizer_bridge(name, tiny_model):
         ('layer-skip', 3),
     ],
 )
-def test_greedy_constrained_speculation_equals_constrained_autoregressive(kind, k, tiny_model, draft_model):
+def test_greedy_constrained_speculation_equals_constrained_autoregressive(
+    kind, k, tiny_model, tiny_engine, draft_model
+):
   prompts = RAGGED_PROMPTS + ['The cat sat on the mat. The cat']
   accepted = 0
   for sampling in (specjax.SamplingParams(regex=REGEX), specjax.SamplingParams(json_schema=SCHEMA)):
-    want, _ = specjax.Engine(tiny_model, page_size=4).generate(prompts, max_new_tokens=24, sampling=sampling)
+    want, _ = tiny_engine.generate(prompts, max_new_tokens=24, sampling=sampling)
     drafter = make_drafter(kind, tiny_model, **drafter_options(kind.removeprefix('grammar+'), draft_model=draft_model))
     got, _ = specjax.Engine(tiny_model, page_size=4, drafter=drafter).generate(
         prompts, max_new_tokens=24, sampling=sampling, num_draft=k
@@ -250,11 +252,11 @@ def test_sampled_constrained_trees_keep_the_constrained_law(damped_and_reader):
   assert sum(r.spec.accepted for r in results) > 300
 
 
-def test_sample_and_match_is_the_constrained_sampler(tiny_model):
+def test_sample_and_match_is_the_constrained_sampler(tiny_model, tiny_engine):
   """n-gram drafts are deterministic: constrained speculation emits the constrained sampler's tokens."""
   sampling = specjax.SamplingParams(temperature=1.0, seed=3, regex=REGEX)
   prompts = ['ab12ab12ab12-abc abc abc. ab12ab12'] * 6 + RAGGED_PROMPTS
-  want, _ = specjax.Engine(tiny_model, page_size=4).generate(prompts, max_new_tokens=20, sampling=sampling)
+  want, _ = tiny_engine.generate(prompts, max_new_tokens=20, sampling=sampling)
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter('grammar+ngram', tiny_model))
   got, _ = engine.generate(prompts, max_new_tokens=20, sampling=sampling, num_draft=4)
   assert [r.tokens for r in got] == [r.tokens for r in want]
@@ -409,7 +411,7 @@ def test_matcher_follows_emitted_tokens_only(tiny_model):
     np.testing.assert_array_equal(rows.bitmask(np.array([True, True]))[row], fresh.bitmask(np.array([True]))[0])
 
 
-def test_scheduler_mixes_constrained_and_plain_requests(tiny_model, draft_model):
+def test_scheduler_mixes_constrained_and_plain_requests(tiny_model, tiny_engine, draft_model):
   """`specjax serve`'s scheduler: constrained (regex, JSON Schema) and plain greedy requests in one batch, each
   equal to `Engine.generate`'s output for its own constraint; the constrained ones accept drafts."""
   from specjax.engine.requests import Request  # pylint: disable=g-import-not-at-top
@@ -428,7 +430,7 @@ def test_scheduler_mixes_constrained_and_plain_requests(tiny_model, draft_model)
   with Scheduler(engine, max_slots=4, max_seq_len=96).start() as scheduler:
     handles = [scheduler.submit(Request(p, 24, sampling=s, num_draft=3)) for p, s in zip(ids, samplings)]
     results = [h.result(timeout=300) for h in handles]
-  reference = specjax.Engine(tiny_model, page_size=4)
+  reference = tiny_engine
   for prompt, sampling, result in zip(prompts, samplings, results):
     want, _ = reference.generate([prompt], max_new_tokens=24, sampling=sampling)
     assert result.tokens == want[0].tokens, sampling.constraint
@@ -493,7 +495,7 @@ def test_cli_constraints(capsys, tmp_path):
   assert code == 2 and out == '' and err.startswith('error: regex: ') and 'unclosed character class' in err
 
 
-def test_scheduler_forced_only_drafter(tiny_model):
+def test_scheduler_forced_only_drafter(tiny_model, tiny_engine):
   """`grammar` alone in the scheduler: each step verifies as wide as the rows' forced runs; outputs equal
   `Engine.generate`'s; forced drafts are counted per request and in the scheduler's metrics."""
   from specjax.engine.requests import Request  # pylint: disable=g-import-not-at-top
@@ -506,7 +508,7 @@ def test_scheduler_forced_only_drafter(tiny_model):
     handles = [scheduler.submit(Request(p, 24, sampling=sampling, num_draft=4)) for p in ids]
     results = [h.result(timeout=300) for h in handles]
     metrics = scheduler.metrics()
-  want, _ = specjax.Engine(tiny_model, page_size=4).generate(RAGGED_PROMPTS, max_new_tokens=24, sampling=sampling)
+  want, _ = tiny_engine.generate(RAGGED_PROMPTS, max_new_tokens=24, sampling=sampling)
   assert [r.tokens for r in results] == [w.tokens for w in want]
   assert sum(r.stats.forced_drafted for r in results) == metrics['forced_drafted'] > 0
   assert metrics['forced_accepted'] == sum(r.stats.forced_accepted for r in results)

@@ -56,20 +56,20 @@ def test_greedy_equals_autoregressive_every_depth(kind, tiny_model, draft_model,
   assert max(taus) > 1.2, taus  # drafts were really accepted somewhere
 
 
-def test_self_drafting_reproduces_sampling(tiny_model):
+def test_self_drafting_reproduces_sampling(tiny_model, tiny_engine):
   """Coupled drafting: a draft model equal to the target emits exactly what plain sampling emits."""
   params = specjax.SamplingParams(temperature=0.9, top_p=0.9, seed=11)
-  plain = specjax.Engine(tiny_model, page_size=4).generate(PROMPTS, max_new_tokens=24, sampling=params)[0]
+  plain = tiny_engine.generate(PROMPTS, max_new_tokens=24, sampling=params)[0]
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make('draft-model', tiny_model, tiny_model))
   spec = engine.generate(PROMPTS, max_new_tokens=24, sampling=params, num_draft=4)[0]
   assert [r.tokens for r in spec] == [r.tokens for r in plain]
   assert all(r.spec.acceptance_rate == 1.0 for r in spec)
 
 
-def test_ngram_sampling_is_token_identical(tiny_model):
+def test_ngram_sampling_is_token_identical(tiny_model, tiny_engine):
   """Sample-and-match uses the plain sampler's keys: same seed, same tokens."""
   params = specjax.SamplingParams(temperature=1.0, top_k=20, seed=5)
-  plain = specjax.Engine(tiny_model, page_size=4).generate(PROMPTS, max_new_tokens=30, sampling=params)[0]
+  plain = tiny_engine.generate(PROMPTS, max_new_tokens=30, sampling=params)[0]
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make('ngram', tiny_model, None))
   spec = engine.generate(PROMPTS, max_new_tokens=30, sampling=params, num_draft=3)[0]
   assert [r.tokens for r in spec] == [r.tokens for r in plain]
