@@ -199,16 +199,14 @@ def test_context_dropout_blinds_training_blocks_only(model, data):
   plain = trainer_for(model, data)
   dropping = dataclasses.replace(plain, context_dropout=0.5)
   params, target, batch = plain.init(jax.random.key(1)), model.module(), packed_row()
-  _, taps = target_features(target, batch, plain.taps)
+  _, taps = jax.jit(lambda b: target_features(target, b, plain.taps))(batch)
   anchors, _ = sample_anchors(jax.random.key(5), batch, plain.anchors)
   blind = jnp.ones(anchors.shape, bool)
   other = tuple(jax.random.normal(jax.random.key(i), t.shape) for i, t in enumerate(taps))
-  seeing = plain.blocks(params, target, batch, taps, anchors)
-  np.testing.assert_array_equal(
-      plain.blocks(params, target, batch, taps, anchors, blind),
-      plain.blocks(params, target, batch, other, anchors, blind),
-  )
-  assert not np.allclose(plain.blocks(params, target, batch, taps, anchors, blind), seeing)
+  blocks = jax.jit(lambda x, mask: plain.blocks(params, target, batch, x, anchors, mask))
+  seeing = blocks(taps, None)
+  np.testing.assert_array_equal(blocks(taps, blind), blocks(other, blind))
+  assert not np.allclose(blocks(taps, blind), seeing)
   loss = lambda trainer, key: jax.jit(lambda p, b: trainer.loss(p, target, b, key))(params, batch)[0]
   assert loss(dropping, None) == loss(plain, None)
   assert loss(dropping, jax.random.key(5)) != loss(plain, jax.random.key(5))
