@@ -257,11 +257,16 @@ def test_assistant_drafts_over_the_targets_donor_pages():
   donors = {}
   for layer_type, j in module.kv_donors().items():
     donors[layer_type] = PagedKV(cache.k_pages[j], cache.v_pages[j], cache.block_tables, cache.lengths)
+
+  @jax.jit  # one program for every draft (eager, each op would compile on its own)
+  def draft(tokens, h, positions, donors):
+    out, h = assistant.forward(module.embed(tokens[:, None]), h, positions, donors)
+    return jnp.argmax(assistant.logits(out[:, 0]), axis=-1), h
+
   tokens, h, positions, drafts = ref['first_token'], jnp.asarray(last)[:, None], jnp.asarray(lens)[:, None], []
   for _ in range(ref['centroid_drafts'].shape[1]):
-    out, h = assistant.forward(module.embed(jnp.asarray(tokens)[:, None]), h, positions, donors)
-    tokens = np.asarray(jnp.argmax(assistant.logits(out[:, 0]), axis=-1))
-    drafts.append(tokens)
+    tokens, h = draft(jnp.asarray(tokens), h, positions, donors)
+    drafts.append(np.asarray(tokens))
   np.testing.assert_array_equal(np.stack(drafts, axis=1), ref['centroid_drafts'])
 
 

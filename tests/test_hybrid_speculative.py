@@ -195,7 +195,7 @@ def test_mtp_bookkeeping_under_random_acceptance():
   b, n, k, page = 2, 40, 3, 4
   x = rng.integers(3, model.config.vocab_size, (b, n)).astype(np.int32)
   full_cache = _cache(model, b, 1, pages_per_seq=n // page)
-  hidden = np.asarray(append(target, jnp.asarray(x), full_cache, jnp.full((b,), n, jnp.int32))[0])
+  hidden = np.asarray(_forward(model)(x, full_cache, np.full((b,), n))[0])
   tables = np.arange(1, b * (n // page) + 1, dtype=np.int32).reshape(b, n // page)
   state = drafter.init_state(BatchPlan(b, n, b * (n // page) + 1, page, tables, max_draft=k))
   sampling = specjax.SamplingParams(temperature=1.0)
