@@ -53,13 +53,6 @@ class _Stdout:
       cls.write('\n')
 
 
-def _int_list(text: str) -> list[int]:
-  try:
-    return [int(x) for x in text.split(',')]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'expected comma-separated integers, got {text!r}') from None
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument(
       '-m',
@@ -610,8 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
   serve.add_argument('--max-slots', type=int, default=8, help='requests decoded together (batch rows)')
   serve.add_argument(
       '--row-buckets',
-      type=_int_list,
-      metavar='N,N,..',
+      type=int,
+      nargs='+',
+      metavar='N',
       help='sub-batch sizes a step runs at, the largest --max-slots (default: powers of two); fewer buckets, fewer '
       'executables to compile',
   )

@@ -247,5 +247,5 @@ def test_row_buckets_bound_the_step_executables(tiny_model, capsys):
       Scheduler(engine, max_slots=6, max_seq_len=64, row_buckets=bad)
   from specjax import cli
 
-  assert cli.main(['serve', '-m', TINY, '--max-slots', '8', '--row-buckets', '2,4']) == 2
+  assert cli.main(['serve', '-m', TINY, '--max-slots', '8', '--row-buckets', '2', '4']) == 2
   assert 'the largest max_slots (8), got [2, 4]' in capsys.readouterr().err
