@@ -114,10 +114,6 @@ def start(graphdef, params, state, last_hidden, eos_ids, sampling, bitmask=None)
   return emit(nnx.merge(graphdef, params), last_hidden, state, eos_ids, sampling, bitmask=bitmask)
 
 
-def constrained_start(graphdef, params, state, last_hidden, eos_ids, bitmask, *, sampling):
-  return start(graphdef, params, state, last_hidden, eos_ids, sampling, bitmask)
-
-
 def drafter_start(graphdef, params, dparams, state, drafter):
   return dataclasses.replace(state, drafter=drafter.start(dparams, state.drafter, draft_context(state)))
 
@@ -128,11 +124,6 @@ def decode_step(graphdef, params, state, eos_ids, sampling, bitmask=None):
   hidden, cache, _ = append(model, state.last_tokens[:, None], state.cache, state.active.astype(jnp.int32))
   state = emit(model, hidden[:, 0], dataclasses.replace(state, cache=cache), eos_ids, sampling, bitmask=bitmask)
   return state, (state.last_tokens, state.active)
-
-
-def constrained_decode_step(graphdef, params, state, eos_ids, bitmask, *, sampling):
-  """`decode_step` under each row's grammar mask, bitmask [B, W]."""
-  return decode_step(graphdef, params, state, eos_ids, sampling, bitmask)
 
 
 # ---------------------------------------------------------------- speculative step
@@ -232,13 +223,6 @@ def verify_phase(
   accepted = jnp.where(emitted > 0, n_accepted, 0)
   outputs = (out, emitted, accepted, prop.draft_lens, active, prop.drafts)
   return state, outputs + (lp,) if logprobs else outputs
-
-
-def constrained_verify_phase(graphdef, params, dparams, state, prop, eos_ids, grammar, *, drafter, k: int, sampling):
-  """`verify_phase` of a chain under the rows' grammars (`GrammarInputs` from `RowGrammars.step`)."""
-  return verify_phase(
-      graphdef, params, dparams, state, prop, eos_ids, drafter=drafter, k=k, sampling=sampling, grammar=grammar
-  )
 
 
 def verify_tree_block(target, state: DecodeState, prop, drafter, k: int, sampling, grammar=None):

@@ -102,3 +102,26 @@ def test_bad_token_ids(tiny_engine):
     tiny_engine.generate([[1, 2, 99999]], max_new_tokens=2)
   with pytest.raises(SpecjaxError, match='empty'):
     tiny_engine.generate([[]], max_new_tokens=2)
+
+
+def test_generate_is_one_offline_scheduler_run(tiny_model):
+  """`generate` runs the scheduler's executables (a prefill per row and chunk, one step bucket: the batch), every
+  prompt prefilled before the first step, compiles off the clocks; traces and metrics add up to the tokens."""
+  from specjax.drafters import make_drafter
+
+  drafter = make_drafter('ngram', tiny_model)
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=drafter, prefill_chunk=16)
+  prompts = [list(range(5, 45)), [30, 31, 32, 30, 31, 32, 30, 31], [9, 10]]  # the first is prefilled in 3 chunks
+  results, stats = engine.generate(prompts, max_new_tokens=12, num_draft=3, trace=True)
+  names = engine.executables.names()
+  assert {'admit', 'prefill', 'spec'} <= {n for n, _ in names}
+  assert stats.steps[0][2] == 3  # prefill first: no step ran before the long prompt's last chunk
+  assert all(live <= 3 for _, _, live in stats.steps) and len(stats.steps) == stats.decode_steps
+  assert stats.prefill_s > 0 and stats.decode_s > 0 and stats.compile_s > 0
+  for r in results:
+    assert len(r.tokens) == 12 and r.finish_reason == 'length'
+    assert sum(len(t['emitted']) for t in r.trace) == len(r.tokens) - 1  # the first token comes from prefill
+    assert r.spec.target_steps == len(r.trace) and r.spec.emitted == len(r.tokens) - 1
+  again = len(engine.executables)
+  _, stats = engine.generate(prompts, max_new_tokens=12, num_draft=3)
+  assert len(engine.executables) == again and stats.compile_s == 0.0  # steady state: nothing new

@@ -33,7 +33,7 @@ class Executables:
     """The compiled executable; call it as `exe(params, *args)`. `donate`: argument indices, params at 0."""
     static = static or {}
     shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
-    key = (name, shapes, tuple(sorted(static.items())))
+    key = (name, fn, shapes, tuple(sorted(static.items())))  # fn too: a name never serves another body
     exe = self._cache.get(key)
     if exe is None:
       t = time.perf_counter()
@@ -54,7 +54,7 @@ class Executables:
 
   def names(self, prefix: str = '') -> list[tuple[str, dict]]:
     """(name, static arguments) of every compiled executable whose name starts with `prefix`."""
-    return [(key[0], dict(key[2])) for key in self._cache if key[0].startswith(prefix)]
+    return [(key[0], dict(key[3])) for key in self._cache if key[0].startswith(prefix)]
 
   def __len__(self) -> int:
     return len(self._cache)

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import AsyncIterator, Iterator
 
+from specjax.metrics import SpecMetrics
 from specjax.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -45,6 +46,7 @@ class Request:
   seq_id: int = 0
   logprobs: bool = False  # each event carries the target's log-probability of its tokens
   ignore_eos: bool = False
+  trace: bool = False  # record every speculative step in `stats.trace`
   id: str = dataclasses.field(default_factory=lambda: f'req-{next(_ids)}')
 
 
@@ -72,6 +74,8 @@ class RequestStats:
   submitted: float = 0.0  # perf_counter times
   first_token: float | None = None
   finished: float | None = None
+  spec: SpecMetrics | None = None  # per-step acceptance (speculative requests on a scheduler with a drafter)
+  trace: list[dict] | None = None  # `Request.trace`: {'k', 'drafts', 'accepted', 'emitted'} per speculative step
 
   @property
   def tau(self) -> float:
@@ -134,6 +138,16 @@ class RequestHandle:
       yield event
       if event.finish_reason is not None:
         return
+
+  def ready(self) -> list[Event]:
+    """The events already pushed and not read yet, without waiting (a blocking stream)."""
+    out = []
+    while not self._ended and not self._queue.empty():
+      event = self._queue.get()
+      self._seen.append(event)
+      self._ended = event.finish_reason is not None
+      out.append(event)
+    return out
 
   def events(self, timeout: float | None = None) -> Iterator[Event]:
     """Blocking iteration over the events not read yet (requests submitted without an event loop)."""

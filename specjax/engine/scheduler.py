@@ -38,7 +38,7 @@ import math
 import queue
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,7 @@ from specjax.engine.planner import PREFILL_BUCKETS, next_pow2
 from specjax.engine.requests import Event, Request, RequestHandle
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.grammar import RowGrammars, compile_constraint, new_matcher
+from specjax.metrics import SpecMetrics
 from specjax.policies import Fixed, Policy
 from specjax.sampling import RowSampling, SamplingParams
 from specjax.step import DecodeState
@@ -132,6 +133,11 @@ class Scheduler:
     row_buckets: the sub-batch sizes a decode or verify step runs at (the live slots round up to one): each is
       an executable per depth and sampling mode. Default: powers of two up to max_slots'; fewer buckets compile
       fewer executables (faster start-up) and pad more rows per step.
+    prefill_first: no step runs while an admitted request is still prefilling (an offline batch: `Engine.generate`
+      prefills every row, then decodes); default False: prefill chunks interleave with the running slots' steps.
+
+  `engine.profile` splits each speculative step into its draft and verify executables with a host sync between
+  (`RequestStats.spec.draft_s` / `verify_s`); `step_log = []` records (K, seconds, live slots) per step.
   """
 
   def __init__(
@@ -147,6 +153,7 @@ class Scheduler:
       prefix_snapshot_every: int = 8,
       prefix_snapshots: int | None = None,
       row_buckets: Sequence[int] | None = None,
+      prefill_first: bool = False,
   ):
     if max_slots < 1:
       raise SpecjaxError(f'max_slots must be at least 1, got {max_slots}')
@@ -178,7 +185,9 @@ class Scheduler:
     self.max_depth = engine.max_draft if self.drafter else 0
     # A step's K rounds up to one of these (the policy's candidates; a request deeper than all compiles its own).
     self.step_depths = sorted(self.policy.candidates if self.policy else {self.max_depth}) if self.drafter else []
-    self.lookahead = self.drafter.lookahead(self.max_depth) if self.drafter else 1
+    # Positions past a request's budget a step may write: a verify pass's lookahead (a decode step writes only
+    # the tokens before the last).
+    self.lookahead = self.drafter.lookahead(self.max_depth) if self.drafter else 0
     if self.pages_for(self.lookahead + 2) > self.num_pages - 1:
       raise OutOfPagesError(f'a pool of {self.num_pages} pages holds no request (one is the null page)')
     eos = self.model.generation.eos_token_ids or self.model.tokenizer.eos_ids
@@ -215,6 +224,10 @@ class Scheduler:
     self.accepted_at = [0] * max(self.max_depth, 1)
     self.drafted_at = [0] * max(self.max_depth, 1)
     self.host_s = 0.0  # host time outside the jitted calls, over `steps`
+    self.grammar_s = 0.0  # host time in the grammar matchers of constrained steps
+    self.step_log: list[tuple[int, float, int]] | None = None  # [] to record (K, seconds, live slots) per step
+    self.prefill_first = prefill_first
+    self._phase_s = (0.0, 0.0)  # draft, verify seconds of the last profiled step
     self.pstate = self.policy.init() if self.policy else None
     self.state = self._initial_state()
     self.fresh = self._initial_state(num_pages=2)  # one empty row, repeated; its pools are never read
@@ -390,8 +403,9 @@ class Scheduler:
     need = len(request.prompt) + request.max_tokens + self.lookahead
     if need > self.capacity:
       raise SpecjaxError(
-          f'the prompt has {len(request.prompt)} tokens; with max_tokens={request.max_tokens} and '
-          f'{self.lookahead} draft lookahead it needs {need} positions, over the capacity of {self.capacity}'
+          f'the prompt has {len(request.prompt)} tokens; with max_tokens={request.max_tokens}'
+          f'{f" and {self.lookahead} draft lookahead" if self.lookahead else ""} it needs {need} positions, over '
+          f'the capacity of {self.capacity}'
       )
     if self.pages_for(need) > self.num_pages - 1:
       raise OutOfPagesError(f'the request needs {self.pages_for(need)} pages, the pool has {self.num_pages - 1}')
@@ -402,6 +416,10 @@ class Scheduler:
     if self.error is not None:
       raise SpecjaxError(f'the scheduler stopped: {self.error}')
     handle = RequestHandle(request, loop)
+    depth = (max(self.policy.candidates) if self.policy else 0) if request.num_draft is None else request.num_draft
+    if self.drafter and depth:
+      handle.stats.spec = SpecMetrics(k=depth)
+      handle.stats.trace = [] if request.trace else None
     constraint = request.sampling.constraint
     matcher = new_matcher(self.model, compile_constraint(self.model, constraint)) if constraint else None
     self._inbox.put(_Job(handle, 0, decoder=self.model.tokenizer.stream(), matcher=matcher))
@@ -450,16 +468,29 @@ class Scheduler:
     self._dispatch_s += time.perf_counter() - t
     return out
 
+  def drain(self, after_round: Callable[[], None] | None = None) -> None:
+    """Runs rounds in the calling thread until every submitted request has ended, calling `after_round()` after
+    each (the scheduler thread must not be running): an offline batch (`Engine.generate`) drives it this way."""
+    if self._thread is not None:
+      raise SpecjaxError('drain() runs the rounds itself: stop() the scheduler thread first')
+    while self._iterate() or any(self.slots) or not self._inbox.empty():
+      if after_round:
+        after_round()
+    if after_round:
+      after_round()
+
   def _iterate(self) -> bool:
     """One round: admit, prefill a chunk, one step, stream. False when there was nothing to do."""
     t0 = time.perf_counter()
+    compiled = self.engine.executables.compile_s  # a first call's compile is not a step's time
     self._dispatch_s = 0.0
     while not self._inbox.empty():
       self.waiting.append(self._inbox.get())
     self._cancel()
     self._admit()
+    prefilling = self.prefill_first and any(j and not j.active for j in self.slots)
     prefilled = self._prefill()
-    stepped = self._step()
+    stepped = None if prefilling else self._step()
     pending = self.drafter.pending_lens(self.state.drafter) if self.drafter and self.drafter.drafts_ahead else None
     t_get = time.perf_counter()
     outs = jax.device_get((prefilled, stepped, pending))  # the one host transfer of the round
@@ -470,7 +501,7 @@ class Scheduler:
     if prefilled is not None:
       self._after_prefill(outs[0])
     if stepped is not None:
-      self._after_step(outs[1], t_got - t0, before)
+      self._after_step(outs[1], t_got - t0 - (self.engine.executables.compile_s - compiled), before)
       self.host_s += (t_get - t0 - self._dispatch_s) + (time.perf_counter() - t_got)
     return prefilled is not None or stepped is not None or bool(self.waiting)
 
@@ -787,8 +818,18 @@ class Scheduler:
       return out
     static = {'drafter': self.drafter, 'k': k_exec, 'greedy': greedy}
     dparams = self.drafter.params()
-    if grammars is None:
+    if grammars is None and not self.engine.profile:
       self.state, out = self._call('spec', slots.spec_rows, (dparams, self.state, rows, depths), static, donate=(2,))
+      return out
+    if grammars is None:  # profiled: the draft and the verify executables, a host sync after each
+      t = time.perf_counter()
+      self.state, prop = self._call('propose', slots.propose_rows, (dparams, self.state, rows, depths), static, (2,))
+      jax.block_until_ready(prop.drafts)
+      t_mid = time.perf_counter()
+      args = (dparams, self.state, rows, prop, None)
+      self.state, out = self._call('verify', slots.verify_rows, args, static, donate=(2,))
+      jax.block_until_ready(out[0])
+      self._phase_s = (t_mid - t, time.perf_counter() - t_mid)
       return out
     # Constrained rows: draft, cut and mask on the host (`specjax.grammar.rows`), then verify.
     self.state, prop = self._call('propose', slots.propose_rows, (dparams, self.state, rows, depths), static, (2,))
@@ -817,24 +858,41 @@ class Scheduler:
         grammars.commit(np.asarray(outs[0])[:, None], grammars.active.astype(np.int32))
     if not deepest:
       tokens, active, logprobs = outs
+      self.grammar_s += grammars.host_s if grammars is not None else 0.0
+      if self.step_log is not None:
+        self.step_log.append((0, dt, len(live)))
       for i, job in enumerate(live):
         if job.slot >= 0:  # not finished by its first token this round
           job.length += 1
           self._emit(job, [int(tokens[i])], [float(logprobs[i])], bool(active[i]))
       return
-    tokens, emitted, accepted, drafted, active, _, logprobs = outs
+    tokens, emitted, accepted, drafted, active, drafts, logprobs = outs
     n = len(live)
     slots_ = np.array([j.slot for j in live])
+    if grammars is not None:
+      self.grammar_s += grammars.host_s
+    if self.step_log is not None:
+      self.step_log.append((k_step, dt, n))
+    tree, ahead = bool(self.drafter.tree_tokens), self.drafter.drafts_ahead
     for i, job in enumerate(live):
       e = int(emitted[i])
       if job.slot < 0:
         continue
-      d = min(int(drafted[i]), k_exec) if self.drafter.tree_tokens else int(drafted[i])
+      d = min(int(drafted[i]), k_exec) if tree else int(drafted[i])
       if self._step_depths[i] and e:
         stats = job.handle.stats
         stats.drafted += d
         stats.accepted += int(accepted[i])
         stats.spec_steps += 1
+        if stats.spec is not None:
+          pending = int(before[job.slot]) if ahead else None
+          stats.spec.record(int(accepted[i]), d, e, pending, int(drafted[i]) if tree else None)
+          if self.engine.profile:
+            stats.spec.draft_s += self._phase_s[0]
+            stats.spec.verify_s += self._phase_s[1]
+        if stats.trace is not None:
+          entry = {'k': int(self._step_depths[i]), 'drafts': drafts[i, : int(drafted[i])].tolist()}
+          stats.trace.append(entry | {'accepted': int(accepted[i]), 'emitted': tokens[i, :e].tolist()})
         with self._lock:
           self.counters['drafted'] += d
           self.counters['accepted'] += int(accepted[i])

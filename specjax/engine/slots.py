@@ -228,27 +228,32 @@ def spec_rows(graphdef, params, dparams, state: DecodeState, rows, depths, *, dr
   sub = live_rows(state, rows)
   sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
   static = dict(drafter=drafter, k=k, sampling=sampling)
-  new, prop = propose_phase(graphdef, params, dparams, sub, **static)
-  lens = jnp.where(depths > 0, prop.draft_lens, 0) if drafter.tree_tokens else jnp.minimum(prop.draft_lens, depths)
-  prop = dataclasses.replace(prop, draft_lens=lens.astype(prop.draft_lens.dtype))
+  new, prop = _propose(graphdef, params, dparams, sub, depths, **static)
   new, out = verify_phase(graphdef, params, dparams, new, prop, sub.row_eos, logprobs=True, **static)
   return put_rows(state, keep_rows(new, sub, ~sub.active), rows), out
+
+
+def _propose(graphdef, params, dparams, sub: DecodeState, depths, *, drafter: Drafter, k: int, sampling):
+  """Drafts for a step's rows, each cut to its depth [R] (0: none; a tree row drafts its whole tree or nothing)."""
+  new, prop = propose_phase(graphdef, params, dparams, sub, drafter=drafter, k=k, sampling=sampling)
+  lens = jnp.where(depths > 0, prop.draft_lens, 0) if drafter.tree_tokens else jnp.minimum(prop.draft_lens, depths)
+  return new, dataclasses.replace(prop, draft_lens=lens.astype(prop.draft_lens.dtype))
 
 
 def propose_rows(
     graphdef, params, dparams, state: DecodeState, rows, depths, *, drafter: Drafter, k: int, greedy: bool
 ):
-  """The draft half of `spec_rows` (chains), for constrained rounds: the host cuts and masks the drafts between
-  it and `verify_rows`. Returns (state, proposal)."""
+  """The draft half of `spec_rows`, for constrained rounds (the host cuts and masks the drafts between it and
+  `verify_rows`) and profiled ones. Returns (state, proposal)."""
   sub = live_rows(state, rows)
   sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
-  new, prop = propose_phase(graphdef, params, dparams, sub, drafter=drafter, k=k, sampling=sampling)
-  prop = dataclasses.replace(prop, draft_lens=jnp.minimum(prop.draft_lens, depths).astype(prop.draft_lens.dtype))
+  new, prop = _propose(graphdef, params, dparams, sub, depths, drafter=drafter, k=k, sampling=sampling)
   return put_rows(state, keep_rows(new, sub, ~sub.active), rows), prop
 
 
 def verify_rows(graphdef, params, dparams, state: DecodeState, rows, prop, grammar, *, drafter, k: int, greedy: bool):
-  """The verify half: `prop` checked under the rows' `GrammarInputs`; returns what `spec_rows` does."""
+  """The verify half: `prop` checked (under the rows' `GrammarInputs`, when given); returns what `spec_rows`
+  does."""
   sub = live_rows(state, rows)
   sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
   new, out = verify_phase(

@@ -1,16 +1,18 @@
-"""The host loop: tokenize, plan the batch, prefill in padded buckets, then one
-jitted step per token (or per speculative step) with the decode state donated.
+"""The engine: one model (and drafter) with its executable cache, input checks and batch planning.
 
-Each step does one host transfer (its new tokens, counts and still-active
-flags). Executables are compiled ahead of time per shape bucket and cached on
-the engine (`engine.executables`), so steady state never recompiles (a shape
-mismatch would be an error, not a compile).
+`Engine.generate` runs an offline batch on the continuous-batching scheduler
+(`specjax.engine.scheduler`) in the calling thread: the same slots, steps and
+executables `serve` uses, with every prompt prefilled before the first step.
+`prefill` and `step_fn` are the batch primitives underneath the steps (a
+batch's cache and its first tokens; one compiled step at depth K) that
+calibration and the step-level tests drive directly. Executables are compiled
+once per shape bucket and cached on the engine (`engine.executables`), so
+steady state never recompiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -24,17 +26,14 @@ from specjax.engine.executables import Executables
 from specjax.engine.planner import BatchLayout, plan_batch
 from specjax.engine.requests import Request, RequestHandle
 from specjax.errors import SpecjaxError
-from specjax.grammar import RowGrammars, compile_constraint
+from specjax.grammar import compile_constraint
 from specjax.metrics import SpecMetrics
 from specjax.models.base import Model
+from specjax.parallel.mesh import DATA, mesh_size
 from specjax.policies import Fixed, Policy
 from specjax.sampling import SamplingParams
-from specjax.depths import step_depth, verify_widths
 from specjax.step import (
     DecodeState,
-    constrained_decode_step,
-    constrained_start,
-    constrained_verify_phase,
     decode_step,
     drafter_prefill,
     drafter_start,
@@ -120,6 +119,12 @@ class Engine:
           f'{model.source}: draft trees need a target whose cache rolls back by position; this hybrid '
           '(recurrent-state) target verifies chains only (drop the tree options)'
       )
+    if model.is_hybrid and model.mesh is not None and (drafter is not None or mesh_size(model.mesh, DATA) > 1):
+      raise SpecjaxError(
+          f'{model.source}: a hybrid (recurrent-state) target over a device mesh decodes with tensor parallelism '
+          "only and without a drafter for now (the scheduler's prefill step deadlocks in XLA:CPU's collectives "
+          'otherwise); drop the drafter or --dp, or run on one device'
+      )
     self.model = model
     self.page_size = page_size
     self.max_seq_len = max_seq_len or model.config.max_position_embeddings
@@ -184,13 +189,11 @@ class Engine:
       request_ids: Sequence[int] | None = None,
       *,
       drafting: bool = True,
-      grammars: RowGrammars | None = None,
   ) -> DecodeState:
     """Reserves pages, runs the prompts through the model (and drafter), samples the first token.
 
     `drafting=False` (plain decoding on an engine with a drafter) leaves the
     drafter's state at its initial value instead of running the drafter.
-    `grammars`: the first token is drawn under each row's grammar mask.
     """
     layout = self.plan(prompts, max_new_tokens)
     batch, n, lens, chunk = layout.batch, layout.rows, layout.prompt_lens, layout.prefill_chunk
@@ -241,13 +244,7 @@ class Engine:
         tokens=jnp.asarray(buffer),
         drafter=dstate,
     )
-    if grammars is None:
-      state = self._call('start', start, (state, last_hidden, eos_ids), {'sampling': sampling})
-    else:
-      bitmask = grammars.bitmask(np.arange(batch) < n)
-      state = self._call(
-          'start_grammar', constrained_start, (state, last_hidden, eos_ids, bitmask), {'sampling': sampling}
-      )
+    state = self._call('start', start, (state, last_hidden, eos_ids), {'sampling': sampling})
     if drafting:
       state = self._call('drafter_start', drafter_start, (dparams, state), {'drafter': self.drafter}, donate=(2,))
     return state
@@ -279,55 +276,6 @@ class Engine:
       return out
 
     return profiled
-
-  def constrained_step_fn(self, k: int | None, sampling: SamplingParams, state, eos_ids, grammars: RowGrammars):
-    """`step_fn` under each row's grammar: the host's matchers mask every position, cut and force drafts
-    (`specjax.grammar.rows`) between the draft and the verify executables; returns host outputs."""
-    batch = state.last_tokens.shape[0]
-    if k is None:
-      bitmask = np.zeros((batch, grammars.words), np.int32)
-      exe = self.executables.get(
-          'decode_grammar', constrained_decode_step, (state, eos_ids, bitmask), {'sampling': sampling}
-      )
-
-      def decode(state):
-        state, out = exe(self.model.params, state, eos_ids, grammars.bitmask(grammars.active))
-        tokens, active = jax.device_get(out)
-        grammars.commit(tokens[:, None], grammars.active.astype(np.int32))
-        grammars.active = active
-        return state, (tokens, active)
-
-      return decode
-    dparams = self.drafter.params()
-    static = {'drafter': self.drafter, 'k': k, 'sampling': sampling}
-    propose = self.executables.get('propose', propose_phase, (dparams, state), static, (2,))
-    shapes = jax.eval_shape(
-        lambda s: propose_phase(self.model.graphdef, self.model.params, dparams, s, **static), state
-    )
-    drafts, parents = shapes[1].drafts, shapes[1].parents  # a chain's [B, K] or a tree's [B, N]
-    inputs = grammars.step(
-        np.zeros(drafts.shape, np.int32),
-        np.zeros(batch, np.int32),
-        np.zeros(batch, bool),
-        parents=None if parents is None else np.zeros(parents.shape, np.int32),
-    )
-    verify_exe = self.executables.get(
-        'verify_grammar', constrained_verify_phase, (dparams, *shapes, eos_ids, inputs), static, (2,)
-    )
-
-    def speculate(state):
-      state, prop = propose(self.model.params, dparams, state)
-      drafts, draft_lens, parents = jax.device_get((prop.drafts, prop.draft_lens, prop.parents))
-      forced_first = self.drafter.forced_first
-      inputs = grammars.step(drafts, draft_lens, grammars.active, forced_first=forced_first, parents=parents)
-      state, out = verify_exe(self.model.params, dparams, state, prop, eos_ids, inputs)
-      out = jax.device_get(out)
-      tokens, emitted, accepted, _, active, _ = out
-      grammars.commit(tokens, emitted, accepted)
-      grammars.active = active
-      return state, out
-
-    return speculate
 
   def serve(self, **options) -> 'Scheduler':
     """Starts this engine's continuous-batching scheduler (`specjax.engine.scheduler.Scheduler` options:
@@ -372,14 +320,19 @@ class Engine:
       policy_state: Any = None,
       trace: bool = False,
   ) -> tuple[list[GenerationResult], GenerationStats]:
-    """Generates for a batch of prompts (texts or token ids).
+    """Generates for a batch of prompts (texts or token ids) on the continuous-batching scheduler.
 
+    The batch is one `Scheduler` run in this thread (`Scheduler.drain`): a
+    slot per prompt (padded to a power of two), every prompt prefilled before
+    the first step (`prefill_first`), then one step per round for the live
+    slots, the same executables `serve` runs.
     `num_draft` is the draft depth K of each speculative step (default:
     `default_depth()`: the drafter's own when its checkpoint names one, DFlash's
     min(block_size - 1, 7), else the engine's `max_draft`, when it has a
     drafter; 0 forces plain decoding), or a
     `specjax.policies.Policy` that picks K before every step from its
-    candidates (each compiled once, ahead of the decode clock). `policy_state`
+    candidates (each compiled on first use, its compile kept off the clocks and
+    the policy's step times). `policy_state`
     continues a policy's state from an earlier call (`stats.policy_state`), so
     an adaptive policy keeps what it learned across requests.
     `stream(row, text_delta)` is called as text becomes final for each row.
@@ -390,6 +343,8 @@ class Engine:
     `result.trace`: `{'k', 'drafts', 'accepted', 'emitted'}` (the drafted and
     the emitted target ids, the accepted count).
     """
+    from specjax.engine.scheduler import Scheduler  # pylint: disable=g-import-not-at-top (it imports this package)
+
     if max_new_tokens < 1:
       raise SpecjaxError(f'max_new_tokens must be at least 1, got {max_new_tokens}')
     sampling.validate()
@@ -398,137 +353,67 @@ class Engine:
     else:
       k = self.default_depth() if num_draft is None else num_draft
       self.check_depth(k)
-      policy = Fixed(k) if k else None
-    depths = policy.candidates if policy else (0,)
-    for k in depths:
+      policy = Fixed(k) if k else 0
+    for k in policy.candidates if policy else ():
       self.check_depth(k)
-    k = max(depths)
     ids = self.encode(prompts)
     if request_ids is not None and len(request_ids) != len(ids):
       raise SpecjaxError(f'{len(request_ids)} request ids for {len(ids)} prompts')
-    grammar = None
     if sampling.constraint is not None:
-      grammar = compile_constraint(self.model, sampling.constraint)  # a bad schema, regex or grammar: an error now
-      sampling = sampling.unconstrained()
-    eos = self.model.generation.eos_token_ids or self.model.tokenizer.eos_ids
-    eos_ids = jnp.asarray(list(eos) or [-1], jnp.int32)
-    n = len(ids)
-    stats = GenerationStats(rows=n)
+      compile_constraint(self.model, sampling.constraint)  # a bad schema, regex or grammar: an error now
+    layout = self.plan(ids, max_new_tokens)  # capacity and pages for the whole batch, before any work
     compile_before = self.compile_s
-    decoders = [self.model.tokenizer.stream() for _ in range(n)]
-    generated: list[list[int]] = [[] for _ in range(n)]
-    spec = [SpecMetrics(k=k) for _ in range(n)] if k else None
-    traces = [[] for _ in range(n)] if trace and k else None
-
-    def emit(row: int, tokens) -> None:
-      for token in tokens:
-        generated[row].append(int(token))
-        delta = decoders[row].step(int(token))
-        if stream and delta:
-          stream(row, delta)
-
-    t0 = time.perf_counter()
-    grammars = (
-        None
-        if grammar is None
-        else RowGrammars.compile(self.model, [grammar] * n, self.plan(ids, max_new_tokens).batch)
+    scheduler = Scheduler(
+        self,
+        max_slots=layout.batch,
+        num_pages=layout.num_pages,
+        max_seq_len=min(layout.capacity, self.max_seq_len),
+        num_draft=policy,
+        prefill_budget=layout.batch * self.prefill_chunk,
+        prefix_cache=False,
+        row_buckets=[layout.batch],
+        prefill_first=True,
     )
-    state = self.prefill(ids, max_new_tokens, sampling, eos_ids, request_ids, drafting=bool(policy), grammars=grammars)
-    # Grammar-forced drafts are known on the host before a step: `grammar` alone (and `grammar+<drafts-ahead
-    # family>`) verifies only as wide as the longest forced run (or the family's draft) needs.
-    forced_ahead = bool(policy) and grammars is not None and self.drafter.forced_first
-    forced_ahead = forced_ahead and (self.drafter.drafts_ahead or self.drafter.forced_only)
-    ahead = bool(policy) and (self.drafter.drafts_ahead or forced_ahead)
-    device_pending = lambda state: self.drafter.pending_lens(state.drafter) if self.drafter.drafts_ahead else None
-    tree = bool(policy) and bool(self.drafter.tree_tokens)
-    exec_depths = sorted({w - 1 for d in depths for w in verify_widths(d)}) if ahead else depths
-    step_fn = self.step_fn if grammars is None else functools.partial(self.constrained_step_fn, grammars=grammars)
-    steps = {d: step_fn(d if policy else None, sampling, state, eos_ids) for d in exec_depths}  # compiled ahead
-    pstate = policy.begin(policy.init() if policy_state is None else policy_state, n) if policy else None
-    pending = device_pending(state) if ahead else None
-    tokens, active, pending = jax.device_get((state.last_tokens, state.active, pending))
-    if grammars is not None:
-      grammars.commit(tokens[:, None], (np.arange(len(tokens)) < n).astype(np.int32))
-      grammars.active = np.array(active)
-      pending = np.maximum(pending, grammars.forced_lens(k)) if forced_ahead and pending is not None else pending
-      pending = grammars.forced_lens(k) if forced_ahead and pending is None else pending
-    stats.prefill_s = time.perf_counter() - t0
-    for i in range(n):
-      emit(i, tokens[i : i + 1])
+    if policy:
+      scheduler.pstate = policy.begin(policy.init() if policy_state is None else policy_state, len(ids))
+    scheduler.step_log = []
+    seq_ids = list(range(len(ids))) if request_ids is None else [int(r) for r in request_ids]
+    requests = [
+        Request(p, max_new_tokens, sampling, seq_id=s, ignore_eos=False, trace=trace) for p, s in zip(ids, seq_ids)
+    ]
+    handles = [scheduler.submit(r) for r in requests]  # in order: row i is slot i
     t0 = time.perf_counter()
-    while active[:n].any():
-      live = int(active[:n].sum())
-      rows = np.flatnonzero(active[:n])
-      k_step = policy.choose(pstate, live, pending[rows] if ahead else None) if policy else 0
-      before = pending
-      k_exec = step_depth(k_step, int(pending[rows].max())) if ahead else k_step
-      t_step = time.perf_counter()
-      state, out = steps[k_exec](state)
-      pending = device_pending(state) if ahead else None
-      out, pending = jax.device_get((out, pending))  # the one host transfer of the step
-      if forced_ahead:
-        forced = grammars.forced_lens(k)
-        pending = forced if pending is None else np.maximum(pending, forced)
-      step_s = time.perf_counter() - t_step
-      stats.decode_steps += 1
-      stats.steps.append((k_step, step_s, live))
-      if k_step == 0:
-        tokens, now_active = out
-        for i in rows:
-          emit(i, tokens[i : i + 1])
-      else:
-        tokens, emitted, accepted, drafted, now_active, drafts = out
-        for i in rows:
-          emit(i, tokens[i, : emitted[i]])
-          if traces is not None:
-            traces[i].append(
-                {
-                    'k': k_step,
-                    'drafts': drafts[i, : drafted[i]].tolist(),
-                    'accepted': int(accepted[i]),
-                    'emitted': tokens[i, : emitted[i]].tolist(),
-                }
-            )
-          spec[i].record(
-              int(accepted[i]),
-              min(int(drafted[i]), k_step) if tree else int(drafted[i]),
-              int(emitted[i]),
-              int(before[i]) if ahead else None,
-              int(drafted[i]) if tree else None,
-          )
-          spec[i].draft_s += self.phase_s[0] if self.profile else 0.0
-          spec[i].verify_s += self.phase_s[1] if self.profile else 0.0
-        pstate = policy.observe(
-            pstate, k_step, accepted[rows], step_s, live, drafted[rows], k_exec + 1, before[rows] if ahead else None
-        )
-      active = now_active
-    stats.decode_s = time.perf_counter() - t0
-    stats.grammar_s = grammars.host_s if grammars is not None else 0.0
-    stats.policy_state = pstate
-    stats.compile_s = self.compile_s - compile_before
-    stats.prefill_s -= stats.compile_s  # every executable is compiled ahead, before the decode clock
-    stats.generated_tokens = sum(len(g) for g in generated)
+    clock = {'first': None, 'compile': 0.0}
+
+    def on_round() -> None:
+      for row, handle in enumerate(handles):
+        for event in handle.ready():
+          if stream and event.text:
+            stream(row, event.text)
+      if clock['first'] is None and all(h.stats.first_token is not None for h in handles):
+        clock['first'], clock['compile'] = time.perf_counter(), self.compile_s - compile_before
+
+    scheduler.drain(on_round)
+    t_end = time.perf_counter()
+    compile_s = self.compile_s - compile_before
+    stats = GenerationStats(rows=len(ids))
+    stats.compile_s = compile_s
+    stats.prefill_s = clock['first'] - t0 - clock['compile']
+    stats.decode_s = t_end - clock['first'] - (compile_s - clock['compile'])
+    stats.steps = scheduler.step_log
+    stats.decode_steps = len(scheduler.step_log)
+    stats.grammar_s = scheduler.grammar_s
+    stats.policy_state = scheduler.pstate if policy else None
+    eos = set(scheduler.eos)
     results = []
-    eos_set = set(eos)
-    for i in range(n):
-      tail = decoders[i].flush()
-      if stream and tail:
-        stream(i, tail)
-      reason = 'eos' if generated[i] and generated[i][-1] in eos_set else 'length'
-      text = self.model.tokenizer.decode(generated[i])
-      if spec:
-        spec[i].total_s = stats.decode_s
-        if grammars is not None:
-          spec[i].forced_drafted = grammars.forced[i].drafted
-          spec[i].forced_accepted = grammars.forced[i].accepted
-      results.append(
-          GenerationResult(
-              text,
-              generated[i],
-              len(ids[i]),
-              reason,
-              spec[i] if spec else None,
-              traces[i] if traces is not None else None,
-          )
-      )
+    for handle in handles:
+      out = handle.result()
+      spec = handle.stats.spec
+      if spec is not None:
+        spec.total_s = stats.decode_s
+        spec.forced_drafted, spec.forced_accepted = handle.stats.forced_drafted, handle.stats.forced_accepted
+      reason = 'eos' if out.tokens and out.tokens[-1] in eos else 'length'
+      text = self.model.tokenizer.decode(out.tokens)
+      results.append(GenerationResult(text, out.tokens, len(handle.request.prompt), reason, spec, handle.stats.trace))
+    stats.generated_tokens = sum(len(r.tokens) for r in results)
     return results, stats
