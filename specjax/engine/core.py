@@ -373,6 +373,7 @@ class Engine:
         prefix_cache=False,
         row_buckets=[layout.batch],
         prefill_first=True,
+        prefill_pad=layout.prefill_chunk,  # one prefill executable for the batch: the longest prompt's bucket
     )
     if policy:
       scheduler.pstate = policy.begin(policy.init() if policy_state is None else policy_state, len(ids))

@@ -135,6 +135,8 @@ class Scheduler:
       fewer executables (faster start-up) and pad more rows per step.
     prefill_first: no step runs while an admitted request is still prefilling (an offline batch: `Engine.generate`
       prefills every row, then decodes); default False: prefill chunks interleave with the running slots' steps.
+    prefill_pad: every prefill chunk is padded to at least this many tokens (the bucket at or above it), so an
+      offline batch of ragged prompts compiles one prefill executable, not one per chunk bucket it touches.
 
   `engine.profile` splits each speculative step into its draft and verify executables with a host sync between
   (`RequestStats.spec.draft_s` / `verify_s`); `step_log = []` records (K, seconds, live slots) per step.
@@ -154,6 +156,7 @@ class Scheduler:
       prefix_snapshots: int | None = None,
       row_buckets: Sequence[int] | None = None,
       prefill_first: bool = False,
+      prefill_pad: int = 0,
   ):
     if max_slots < 1:
       raise SpecjaxError(f'max_slots must be at least 1, got {max_slots}')
@@ -227,6 +230,7 @@ class Scheduler:
     self.grammar_s = 0.0  # host time in the grammar matchers of constrained steps
     self.step_log: list[tuple[int, float, int]] | None = None  # [] to record (K, seconds, live slots) per step
     self.prefill_first = prefill_first
+    self.prefill_pad = prefill_pad
     self._phase_s = (0.0, 0.0)  # draft, verify seconds of the last profiled step
     self.pstate = self.policy.init() if self.policy else None
     self.state = self._initial_state()
@@ -706,7 +710,8 @@ class Scheduler:
     self._push_tables()
     outs, snap_rows, snap_slots = [], [], []
     for job, q in batch:  # one row a call: the chunk is the batch (executables: one per chunk bucket)
-      t = next(b for b in PREFILL_BUCKETS + (1 << 30,) if b >= q)
+      chunk = self.engine.prefill_chunk  # the chunks `_shapes` lists: the buckets below it, and it
+      t = min(next((b for b in PREFILL_BUCKETS if b >= max(q, self.prefill_pad)), chunk), chunk)
       tokens = np.zeros((1, t), np.int32)
       tokens[0, :q] = job.todo[job.prefilled : job.prefilled + q]
       job.prefilled += q
