@@ -30,7 +30,7 @@ from specjax.grammar import compile_constraint
 from specjax.metrics import SpecMetrics
 from specjax.models.base import Model
 from specjax.parallel.mesh import DATA, mesh_size
-from specjax.policies import Fixed, Policy
+from specjax.policies import Policy
 from specjax.sampling import SamplingParams
 from specjax.step import (
     DecodeState,
@@ -348,14 +348,6 @@ class Engine:
     if max_new_tokens < 1:
       raise SpecjaxError(f'max_new_tokens must be at least 1, got {max_new_tokens}')
     sampling.validate()
-    if isinstance(num_draft, Policy):
-      policy = num_draft
-    else:
-      k = self.default_depth() if num_draft is None else num_draft
-      self.check_depth(k)
-      policy = Fixed(k) if k else 0
-    for k in policy.candidates if policy else ():
-      self.check_depth(k)
     ids = self.encode(prompts)
     if request_ids is not None and len(request_ids) != len(ids):
       raise SpecjaxError(f'{len(request_ids)} request ids for {len(ids)} prompts')
@@ -368,20 +360,19 @@ class Engine:
         max_slots=layout.batch,
         num_pages=layout.num_pages,
         max_seq_len=min(layout.capacity, self.max_seq_len),
-        num_draft=policy,
+        num_draft=num_draft,  # checked there (`check_depth`) before any state is built
         prefill_budget=layout.batch * self.prefill_chunk,
         prefix_cache=False,
         row_buckets=[layout.batch],
         prefill_first=True,
         prefill_pad=layout.prefill_chunk,  # one prefill executable for the batch: the longest prompt's bucket
     )
+    policy = scheduler.policy
     if policy:
       scheduler.pstate = policy.begin(policy.init() if policy_state is None else policy_state, len(ids))
     scheduler.step_log = []
     seq_ids = list(range(len(ids))) if request_ids is None else [int(r) for r in request_ids]
-    requests = [
-        Request(p, max_new_tokens, sampling, seq_id=s, ignore_eos=False, trace=trace) for p, s in zip(ids, seq_ids)
-    ]
+    requests = [Request(p, max_new_tokens, sampling, seq_id=s, trace=trace) for p, s in zip(ids, seq_ids)]
     handles = [scheduler.submit(r) for r in requests]  # in order: row i is slot i
     t0 = time.perf_counter()
     clock = {'first': None, 'compile': 0.0}

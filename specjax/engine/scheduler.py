@@ -861,11 +861,11 @@ class Scheduler:
             self.counters['forced_accepted'] += forced.accepted
       else:
         grammars.commit(np.asarray(outs[0])[:, None], grammars.active.astype(np.int32))
+      self.grammar_s += grammars.host_s
+    if self.step_log is not None:
+      self.step_log.append((k_step if deepest else 0, dt, len(live)))
     if not deepest:
       tokens, active, logprobs = outs
-      self.grammar_s += grammars.host_s if grammars is not None else 0.0
-      if self.step_log is not None:
-        self.step_log.append((0, dt, len(live)))
       for i, job in enumerate(live):
         if job.slot >= 0:  # not finished by its first token this round
           job.length += 1
@@ -874,10 +874,6 @@ class Scheduler:
     tokens, emitted, accepted, drafted, active, drafts, logprobs = outs
     n = len(live)
     slots_ = np.array([j.slot for j in live])
-    if grammars is not None:
-      self.grammar_s += grammars.host_s
-    if self.step_log is not None:
-      self.step_log.append((k_step, dt, n))
     tree, ahead = bool(self.drafter.tree_tokens), self.drafter.drafts_ahead
     for i, job in enumerate(live):
       e = int(emitted[i])
