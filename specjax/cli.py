@@ -65,6 +65,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument('--num-pages', type=int, default=None, help='KV page pool size (default: what the batch needs)')
   p.add_argument('--max-seq-len', type=int, default=None, help='capacity of one sequence (prompt + new tokens)')
   p.add_argument(
+      '--no-prefix-cache',
+      action='store_true',
+      help="prefill every prompt in full (default: prompts share the KV pages of repeated prefixes: a server's "
+      'requests, and the rows and prompts of one run)',
+  )
+  p.add_argument(
       '--dtype',
       default=None,
       choices=('float32', 'bfloat16', 'float16'),
@@ -222,7 +228,13 @@ def cmd_generate(args) -> int:
   model = specjax.load(
       args.model, attention_impl=args.attention_impl, dtype=args.dtype, mesh=mesh_from_args(args), **quant_args(args)
   )
-  engine = specjax.Engine(model, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len)
+  engine = specjax.Engine(
+      model,
+      page_size=args.page_size,
+      num_pages=args.num_pages,
+      max_seq_len=args.max_seq_len,
+      prefix_cache=False if args.no_prefix_cache else None,
+  )
   return _generate_and_print(args, model, engine, prompts, sampling, num_draft=0)
 
 
@@ -258,6 +270,7 @@ def _generate_and_print(args, model, engine, prompts, sampling, num_draft: int) 
         'prefill_s': stats.prefill_s,
         'decode_s': stats.decode_s,
         'compile_s': stats.compile_s,
+        'cached_tokens': stats.cached_tokens,  # prompt tokens the prefix cache held (rows sharing a prefix)
     }
     if num_draft:
       timing['step_depths'] = [k for k, _, _ in stats.steps]  # K of every step (policies vary it)
@@ -381,6 +394,7 @@ def load_engine(args, drafting: bool = True):
       drafter=make_drafter(kind, model, options) if drafting else None,
       max_draft=max(args.max_draft, args.n_predict or 0),
       profile=getattr(args, 'profile', False),
+      prefix_cache=False if args.no_prefix_cache else None,
   )
   return model, engine, options
 
@@ -608,11 +622,6 @@ def build_parser() -> argparse.ArgumentParser:
       metavar='N',
       help='sub-batch sizes a step runs at, the largest --max-slots (default: powers of two); fewer buckets, fewer '
       'executables to compile',
-  )
-  serve.add_argument(
-      '--no-prefix-cache',
-      action='store_true',
-      help='prefill every prompt in full (default: requests share the KV pages of repeated prefixes)',
   )
   serve.add_argument(
       '--prefix-snapshot-every',

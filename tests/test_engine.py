@@ -122,6 +122,8 @@ def test_generate_is_one_offline_scheduler_run(tiny_model):
     assert len(r.tokens) == 12 and r.finish_reason == 'length'
     assert sum(len(t['emitted']) for t in r.trace) == len(r.tokens) - 1  # the first token comes from prefill
     assert r.spec.target_steps == len(r.trace) and r.spec.emitted == len(r.tokens) - 1
+  _, stats = engine.generate(prompts, max_new_tokens=12, num_draft=3)  # rows past cached prefixes: other buckets
+  assert stats.cached_tokens >= 36 + 4 and stats.steps[0][2] == 3  # full pages; at least one token prefilled
   again = len(engine.executables)
   _, stats = engine.generate(prompts, max_new_tokens=12, num_draft=3)
   assert len(engine.executables) == again and stats.compile_s == 0.0  # steady state: nothing new

@@ -1,8 +1,10 @@
 """The prefix cache: the index's refcounts and eviction, and served outputs equal with and without it."""
 
+import dataclasses
 import random
 
 import hypothesis.strategies as st
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -256,3 +258,55 @@ def test_eviction_under_pressure_keeps_every_output_exact():
   assert got == want
   assert metrics['prefix_evictions'] > 0 and metrics['prefix_hit_tokens'] > 0, metrics
   assert metrics['free_pages'] == metrics['total_pages'], metrics
+
+
+@pytest.mark.parametrize('case', ['ngram', 'hybrid'])
+def test_generate_shares_prefixes_within_and_across_calls(case):
+  """`Engine.generate` keeps its batch scheduler: rows of one call wait for a row prefilling their prefix and
+  start past its pages, a later call (another depth, sampled) starts past the earlier call's pages; the tokens
+  equal a cache-off engine's, every prompt is still prefilled before the first step, and new weights objects
+  start a fresh cache."""
+  path = 'tiny_qwen3_5' if case == 'hybrid' else FAMILIES['ngram'][1]
+  target = specjax.load(f'{FIXTURES}/{path}')
+  prompts = shared_prompts(target)[:4]  # 3 share the system prompt, one diverges inside a page
+  system = len(target.tokenizer.encode(SYSTEM))
+  drafter = lambda: make_drafter('ngram', target)
+  options = dict(page_size=4, max_draft=3, prefill_chunk=16)
+  off = specjax.Engine(target, drafter=drafter(), prefix_cache=False, **options)
+  on = specjax.Engine(target, drafter=drafter(), **options)
+  if case == 'hybrid':  # snapshots where a prefill chunk ends (16 tokens = 4 pages) and at each prompt's end
+    on = specjax.Engine(target, drafter=None, **options)
+    off = specjax.Engine(target, drafter=None, prefix_cache=False, **options)
+  sampled = SamplingParams(temperature=0.8, seed=3)
+  for k, sampling in ((3, SamplingParams()), (2, sampled), (3, sampled)):
+    k = k if on.drafter else 0
+    want, _ = off.generate(prompts, max_new_tokens=10, num_draft=k, sampling=sampling)
+    got, stats = on.generate(prompts, max_new_tokens=10, num_draft=k, sampling=sampling)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert stats.steps[0][2] == len(prompts)  # prefill first: every row is live at the first step
+    if sampling is not sampled:  # the first call: rows 2-4 wait for row 1's system prompt
+      assert stats.cached_tokens >= (system // 4 * 4 if case != 'hybrid' else 4) * (len(prompts) - 1) // 2, stats
+    else:  # later calls: every prompt's pages, from the earlier calls
+      assert stats.cached_tokens >= stats.prompt_tokens - 8 * len(prompts), stats
+  on.model = dataclasses.replace(target, params=jax.tree.map(lambda x: x, target.params))  # new weights objects
+  _, stats = on.generate(prompts[:1], max_new_tokens=4, num_draft=0)
+  assert stats.cached_tokens == 0
+
+
+def test_pages_decoded_without_drafts_are_not_cached_for_the_drafter():
+  """A turn decoded by plain steps (speculation off) leaves the draft model's cache without its positions: those
+  pages are not cached for it, so the next turn, drafting over that answer, accepts what a cache-off run does."""
+  target, engine = family_engine('draft-model')
+  tok = target.tokenizer
+  prompt = tok.encode(SYSTEM + QUESTIONS[2])
+
+  def chat(prefix_cache: bool):
+    with Scheduler(engine, max_slots=2, max_seq_len=160, num_draft=3, prefix_cache=prefix_cache) as scheduler:
+      first = served(scheduler, [Request(prompt, 24, num_draft=0)])[0]
+      second = served(scheduler, [Request(prompt + first.tokens + tok.encode(' And then?'), 16)])[0]
+      return second, scheduler.metrics()
+
+  (off, _), (on, metrics) = chat(False), chat(True)
+  assert on.tokens == off.tokens and on.stats.accepted == off.stats.accepted > 0
+  # The prompt's pages (prefilled: the drafter's entries are whole), none of the answer's (85 tokens otherwise).
+  assert len(prompt) // 4 * 4 - 4 <= metrics['prefix_hit_tokens'] <= len(prompt), metrics

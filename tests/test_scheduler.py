@@ -220,9 +220,10 @@ def test_stop_strings_logprobs_and_cancel(tiny_model):
 
 
 def test_steady_state_compiles_nothing(tiny_model):
-  """A second wave of the same kinds of requests runs on the executables the first compiled."""
+  """A second wave of the same kinds of requests runs on the executables the first compiled (without the prefix
+  cache: with it the second wave's prompts are cached, and its prefill chunks are other buckets of the set)."""
   engine = specjax.Engine(tiny_model, page_size=4, drafter=make_drafter('ngram', tiny_model))
-  with Scheduler(engine, max_slots=4, max_seq_len=128, num_draft=3) as scheduler:
+  with Scheduler(engine, max_slots=4, max_seq_len=128, num_draft=3, prefix_cache=False) as scheduler:
     wave = lambda: served(scheduler, [Request(encode(tiny_model, p), 16) for p in PROMPTS * 2])
     first = wave()
     compiled = len(engine.executables)

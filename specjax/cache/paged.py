@@ -197,6 +197,13 @@ class PageAllocator:
     """Forgets a sequence and returns its pages, freeing none (the caller frees or caches each: `give`)."""
     return self._owned.pop(seq_id)
 
+  def swap(self, seq_id: int, index: int, page: int) -> int:
+    """Puts `page` (held elsewhere, e.g. a cached copy of the same positions) at `index` of a sequence's pages;
+    returns the page it replaces, which the caller frees or caches."""
+    owned = self._owned[seq_id]
+    old, owned[index] = owned[index], page
+    return old
+
   def give(self, pages: list[int]) -> None:
     """Returns pages to the free list."""
     self._free.extend(reversed(pages))

@@ -12,6 +12,7 @@ steady state never recompiles.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -65,6 +66,8 @@ class GenerationStats:
   rows: int = 0
   steps: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)  # (K, seconds, live rows)
   grammar_s: float = 0.0  # host time in the grammar matchers (constrained requests), part of prefill + decode
+  prompt_tokens: int = 0
+  cached_tokens: int = 0  # of the prompt tokens, found in the prefix cache (not prefilled)
   policy_state: Any = None  # the depth policy's state after the last step
 
   @property
@@ -98,7 +101,14 @@ class Engine:
     profile: split each speculative step into its draft and verify executables
       with a host sync between them, to report draft / verify time per request
       (costs one extra sync per step; off for throughput runs).
+    prefix_cache: `generate` keeps its batch scheduler (one per batch shape,
+      the `HELD` most recent) and shares the KV pages of repeated prefixes
+      within and across calls (`specjax.cache.prefix`): None (default) where
+      the target and drafter allow it, True (an error where they can't),
+      False (every call prefills every prompt, on a fresh scheduler).
   """
+
+  HELD = 4  # batch schedulers `generate` keeps, one per (rows, capacity, pages); the oldest is dropped
 
   def __init__(
       self,
@@ -111,6 +121,7 @@ class Engine:
       drafter: Drafter | None = None,
       max_draft: int = 8,
       profile: bool = False,
+      prefix_cache: bool | None = None,
   ):
     if page_size < 1 or page_size & (page_size - 1):
       raise SpecjaxError(f'page_size must be a power of two, got {page_size}')
@@ -136,6 +147,8 @@ class Engine:
     self.phase_s = [0.0, 0.0]  # draft, verify seconds of the last profiled step
     self.executables = Executables(model.graphdef, model.params, model.mesh)
     self.scheduler = None  # `serve()`
+    self.prefix_cache = prefix_cache
+    self._held: collections.OrderedDict[tuple, tuple[Any, Any]] = collections.OrderedDict()  # `generate`'s
 
   @property
   def compile_s(self) -> float:
@@ -277,6 +290,40 @@ class Engine:
 
     return profiled
 
+  def _batch_scheduler(self, layout: BatchLayout, num_draft):
+    """`generate`'s scheduler for the batch's shape: a slot per row, every prompt prefilled before the first
+    step; kept across calls with the prefix cache on (its pages and index outlive the call) while the weights
+    are the same objects, else a fresh one."""
+    from specjax.engine.scheduler import Scheduler  # pylint: disable=g-import-not-at-top (it imports this package)
+
+    shape = (layout.batch, layout.num_pages, min(layout.capacity, self.max_seq_len))
+    weights = [self.model.params] + (jax.tree.leaves(self.drafter.params()) if self.drafter else [])
+    held = self._held.pop(shape, None) if self.prefix_cache is not False else None
+    if held is not None and len(held[1]) == len(weights) and all(a is b for a, b in zip(held[1], weights)):
+      self._held[shape] = held
+      held[0].set_depth(num_draft)  # checked (`check_depth`) before anything changes
+      return held[0]
+    scheduler = Scheduler(
+        self,
+        max_slots=layout.batch,
+        num_pages=layout.num_pages,
+        max_seq_len=shape[2],
+        num_draft=num_draft,  # checked there (`check_depth`) before any state is built
+        prefill_budget=layout.batch * self.prefill_chunk,
+        prefix_cache=self.prefix_cache,
+        row_buckets=[layout.batch],
+        prefill_first=True,
+    )
+    if scheduler.prefix is not None:  # held: weights are kept referenced, so their identities stay theirs
+      self._held[shape] = (scheduler, weights)
+      while len(self._held) > self.HELD:
+        self._held.popitem(last=False)
+    return scheduler
+
+  def reset_prefix_cache(self) -> None:
+    """Drops `generate`'s held schedulers and their cached pages: the next call prefills every prompt in full."""
+    self._held.clear()
+
   def serve(self, **options) -> 'Scheduler':
     """Starts this engine's continuous-batching scheduler (`specjax.engine.scheduler.Scheduler` options:
     max_slots, num_pages, max_seq_len, num_draft, prefill_budget); `submit` then feeds it."""
@@ -342,9 +389,11 @@ class Engine:
     `trace=True` records every speculative step of each row in
     `result.trace`: `{'k', 'drafts', 'accepted', 'emitted'}` (the drafted and
     the emitted target ids, the accepted count).
+    With the engine's prefix cache (`prefix_cache`), rows that repeat a
+    prefix of an earlier call or of another row start past its cached pages
+    (a row waits for one that is prefilling the same prefix); the tokens are
+    the same either way, only the prefill is shorter.
     """
-    from specjax.engine.scheduler import Scheduler  # pylint: disable=g-import-not-at-top (it imports this package)
-
     if max_new_tokens < 1:
       raise SpecjaxError(f'max_new_tokens must be at least 1, got {max_new_tokens}')
     sampling.validate()
@@ -355,22 +404,13 @@ class Engine:
       compile_constraint(self.model, sampling.constraint)  # a bad schema, regex or grammar: an error now
     layout = self.plan(ids, max_new_tokens)  # capacity and pages for the whole batch, before any work
     compile_before = self.compile_s
-    scheduler = Scheduler(
-        self,
-        max_slots=layout.batch,
-        num_pages=layout.num_pages,
-        max_seq_len=min(layout.capacity, self.max_seq_len),
-        num_draft=num_draft,  # checked there (`check_depth`) before any state is built
-        prefill_budget=layout.batch * self.prefill_chunk,
-        prefix_cache=False,
-        row_buckets=[layout.batch],
-        prefill_first=True,
-        prefill_pad=layout.prefill_chunk,  # one prefill executable for the batch: the longest prompt's bucket
-    )
+    scheduler = self._batch_scheduler(layout, num_draft)
+    hits_before = scheduler.counters['prefix_hit_tokens']
+    scheduler.prefill_pad = layout.prefill_chunk  # one prefill executable for the batch: the longest prompt's bucket
     policy = scheduler.policy
     if policy:
       scheduler.pstate = policy.begin(policy.init() if policy_state is None else policy_state, len(ids))
-    scheduler.step_log = []
+    scheduler.step_log, scheduler.grammar_s = [], 0.0  # this call's (a held scheduler ran earlier ones)
     seq_ids = list(range(len(ids))) if request_ids is None else [int(r) for r in request_ids]
     requests = [Request(p, max_new_tokens, sampling, seq_id=s, trace=trace) for p, s in zip(ids, seq_ids)]
     handles = [scheduler.submit(r) for r in requests]  # in order: row i is slot i
@@ -385,7 +425,11 @@ class Engine:
       if clock['first'] is None and all(h.stats.first_token is not None for h in handles):
         clock['first'], clock['compile'] = time.perf_counter(), self.compile_s - compile_before
 
-    scheduler.drain(on_round)
+    try:
+      scheduler.drain(on_round)
+    except BaseException:  # a call cut short leaves requests in its slots: the next call starts afresh
+      self._held = collections.OrderedDict((k, v) for k, v in self._held.items() if v[0] is not scheduler)
+      raise
     t_end = time.perf_counter()
     compile_s = self.compile_s - compile_before
     stats = GenerationStats(rows=len(ids))
@@ -395,6 +439,8 @@ class Engine:
     stats.steps = scheduler.step_log
     stats.decode_steps = len(scheduler.step_log)
     stats.grammar_s = scheduler.grammar_s
+    stats.prompt_tokens = sum(map(len, ids))
+    stats.cached_tokens = scheduler.counters['prefix_hit_tokens'] - hits_before
     stats.policy_state = scheduler.pstate if policy else None
     eos = set(scheduler.eos)
     results = []

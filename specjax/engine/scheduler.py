@@ -22,7 +22,8 @@ the queue to be prefilled again with the tokens it had (its draws are keyed by
 position, so it continues exactly). Full pages of repeated prefixes are shared
 through the prefix cache (`specjax.cache.prefix`): a joining request starts
 past its longest cached run of pages (copying a page it shares only the start
-of), and a request's committed pages join the cache; a hybrid target's row
+of), or waits for a slot still prefilling more of its prefix, and a request's
+committed pages join the cache; a hybrid target's row
 starts at a snapshot of its recurrent state, taken where a prefill chunk ends
 on a snapshot boundary. The executables are bounded: admit,
 deactivate and table updates once; decode and one spec step per depth, each
@@ -80,6 +81,8 @@ class _Job:
   first_pending: bool = False  # prefilled this round; its first token comes with the round's transfer
   matcher: Any = None  # a constrained request's llguidance matcher (`specjax.grammar`): advanced by what it emits
   snaps: dict[int, int] = dataclasses.field(default_factory=dict)  # pages -> snapshot slot, not yet in the index
+  cached: int = 0  # tokens its last admission found in the prefix cache (not prefilled)
+  drafter_upto: int = -1  # the first position a plain decode step left out of the drafter's caches (-1: none)
 
   @property
   def request(self) -> Request:
@@ -135,8 +138,9 @@ class Scheduler:
       fewer executables (faster start-up) and pad more rows per step.
     prefill_first: no step runs while an admitted request is still prefilling (an offline batch: `Engine.generate`
       prefills every row, then decodes); default False: prefill chunks interleave with the running slots' steps.
-    prefill_pad: every prefill chunk is padded to at least this many tokens (the bucket at or above it), so an
-      offline batch of ragged prompts compiles one prefill executable, not one per chunk bucket it touches.
+    prefill_pad: every prefill chunk of a row that found no cached prefix is padded to at least this many tokens
+      (the bucket at or above it), so an offline batch of ragged prompts compiles one prefill executable, not one
+      per chunk bucket it touches; a row past a cached prefix prefills its rest in the bucket it needs.
 
   `engine.profile` splits each speculative step into its draft and verify executables with a host sync between
   (`RequestStats.spec.draft_s` / `verify_s`); `step_log = []` records (K, seconds, live slots) per step.
@@ -177,17 +181,8 @@ class Scheduler:
     self.pages_per_seq = math.ceil(self.max_seq_len / self.page_size)
     self.num_pages = num_pages or max_slots * self.pages_per_seq + 1
     self.prefill_budget = prefill_budget or engine.prefill_chunk
-    if isinstance(num_draft, Policy):
-      self.policy = num_draft
-    else:
-      k = engine.default_depth() if num_draft is None and self.drafter else (num_draft or 0)
-      engine.check_depth(k)
-      self.policy = Fixed(k) if k else None
-    for k in self.policy.candidates if self.policy else ():
-      engine.check_depth(k)
     self.max_depth = engine.max_draft if self.drafter else 0
-    # A step's K rounds up to one of these (the policy's candidates; a request deeper than all compiles its own).
-    self.step_depths = sorted(self.policy.candidates if self.policy else {self.max_depth}) if self.drafter else []
+    self.set_depth(num_draft)
     # Positions past a request's budget a step may write: a verify pass's lookahead (a decode step writes only
     # the tokens before the last).
     self.lookahead = self.drafter.lookahead(self.max_depth) if self.drafter else 0
@@ -232,14 +227,31 @@ class Scheduler:
     self.prefill_first = prefill_first
     self.prefill_pad = prefill_pad
     self._phase_s = (0.0, 0.0)  # draft, verify seconds of the last profiled step
-    self.pstate = self.policy.init() if self.policy else None
+    self._deferred = 0  # waiting requests held back for a prefix another slot is prefilling (`_admit`)
     self.state = self._initial_state()
     self.fresh = self._initial_state(num_pages=2)  # one empty row, repeated; its pools are never read
     self.snapshots = None  # hybrid targets: the snapshot pool (`slots.snapshot_pool`)
+    self.prefix_trail = 0  # positions a drafter's own caches may trail the target's (set with the prefix index)
     self.prefix, self.prefix_note = self._prefix_index(prefix_cache, prefix_snapshots or 4 * max_slots)
     self.pending = np.zeros(max_slots, np.int32)  # drafts_ahead drafters: each slot's drafts for the next step
 
   # -- set-up
+
+  def set_depth(self, num_draft: int | Policy | None) -> None:
+    """The depth of requests that do not set one (`num_draft` as the constructor takes it), checked before any
+    state changes; between offline runs (`Engine.generate` keeps a scheduler across calls), not while one runs."""
+    if isinstance(num_draft, Policy):
+      policy = num_draft
+    else:
+      k = self.engine.default_depth() if num_draft is None and self.drafter else (num_draft or 0)
+      self.engine.check_depth(k)
+      policy = Fixed(k) if k else None
+    for k in policy.candidates if policy else ():
+      self.engine.check_depth(k)
+    self.policy = policy
+    self.pstate = policy.init() if policy else None
+    # A step's K rounds up to one of these (the policy's candidates; a request deeper than all compiles its own).
+    self.step_depths = sorted(policy.candidates if policy else {self.max_depth}) if self.drafter else []
 
   def _prefix_index(self, wanted: bool | None, num_snapshots: int) -> tuple[PrefixIndex | None, str]:
     if wanted is False:
@@ -492,7 +504,7 @@ class Scheduler:
       self.waiting.append(self._inbox.get())
     self._cancel()
     self._admit()
-    prefilling = self.prefill_first and any(j and not j.active for j in self.slots)
+    prefilling = self.prefill_first and (self._deferred or any(j and not j.active for j in self.slots))
     prefilled = self._prefill()
     stepped = None if prefilling else self._step()
     pending = self.drafter.pending_lens(self.state.drafter) if self.drafter and self.drafter.drafts_ahead else None
@@ -547,6 +559,7 @@ class Scheduler:
     the snapshots taken at their ends; a leaving job's partly filled last page too (dense targets: it is copied
     on write)."""
     seq = list(job.request.prompt) + job.generated
+    filled = filled if job.drafter_upto < 0 else min(filled, job.drafter_upto)  # pages whose drafter entries exist
     held = int((self.tables[job.slot] != NULL_PAGE).sum())
     ps, lag, done = self.page_size, self.prefix.key_lag, max(filled - self.prefix_trail, 0)
     n = min(self.prefix.full_pages(len(seq)), done // ps, held)
@@ -557,8 +570,15 @@ class Scheduler:
           key, parent, page, parent_page, seq[i * ps : (i + 1) * ps + lag]
       ):
         # Cached already as another page (a hybrid row recomputes the pages past its snapshot): a leaver's later
-        # pages hang under that one (it holds none of them once it has left).
-        page = self.prefix.page_of(key) if leaving else page
+        # pages hang under that one (it holds none of them once it has left); a staying row holds the cached
+        # page instead of its copy (the same positions, committed), so its later pages can join the cache.
+        cached = self.prefix.page_of(key)
+        if cached is not None and not leaving and parent_page == self.prefix.page_of(parent):
+          self.prefix.acquire([key])
+          self.allocator.give([self.allocator.swap(job.slot, i, cached)])
+          self.tables[job.slot, i] = cached
+          self._tables_dirty = True
+        page = cached if cached is not None and (leaving or self.tables[job.slot, i] == cached) else page
       parent, parent_page = key, page
     for pages in [p for p in job.snaps if p <= n]:
       slot = job.snaps.pop(pages)
@@ -597,18 +617,22 @@ class Scheduler:
   def _admit(self) -> None:
     free = [i for i, s in enumerate(self.slots) if s is None]
     joined, copies, restore = [], [], []  # per joining row: (source, own page) of a copy on write; a snapshot
-    while free and self.waiting:
-      job = self.waiting[0]
+    deferred = []  # requests waiting for a prefix a slot is prefilling: its pages are cached when it ends
+    while free and self.waiting and len(deferred) < self.max_slots:  # a bounded look past the held-back ones
+      job = self.waiting.popleft()
       todo = list(job.request.prompt) + job.generated
       busy = self.max_slots - len(free)
       hybrid = self.snapshots is not None
       hit = self.prefix.match(todo, (len(todo) - 1) // self.page_size, hybrid) if self.prefix else []  # >= 1 left
+      if self.prefix and self._prefix_in_flight(todo) > len(hit):
+        deferred.append(job)
+        continue
       if busy and self.pages_for(len(todo) + self.lookahead) - len(hit) + busy > self._free_pages():
+        self.waiting.appendleft(job)
         break  # wait for pages: its prompt, and a page of growth for each busy slot (else it would be preempted)
       cow = (b'', 0, 0)  # a cached page it shares the start of (dense targets), copied into a page of its own
       if self.prefix and not hybrid and self.allocator.free_pages:
         cow = self.prefix.partial(todo, hit, len(todo) - 1 - len(hit) * self.page_size)
-      self.waiting.popleft()
       slot = free.pop(0)
       if job.order == 0:  # first admission: its place in line, kept across preemptions
         self._order += 1
@@ -616,6 +640,7 @@ class Scheduler:
         with self._lock:
           self.counters['prompt_tokens'] += len(job.request.prompt)
       job.slot, job.todo, job.prefilled, job.active = slot, todo, len(hit) * self.page_size + cow[2], False
+      job.cached, job.drafter_upto = job.prefilled, -1  # a prefill writes the drafter's caches over all of todo
       with self._lock:
         pages = self.allocator.allocate(slot, cow[2] and (len(hit) + 1) * self.page_size, [p for _, p in hit])
         if self.prefix:
@@ -631,6 +656,8 @@ class Scheduler:
       copies.append((cow[1], pages[-1]) if cow[2] else (NULL_PAGE, NULL_PAGE))
       restore.append(self.prefix.snapshot(hit[-1][0]) if hit and hybrid else -1)
       joined.append(job)
+    self.waiting.extendleft(reversed(deferred))  # their places in line
+    self._deferred = len(deferred)
     if not joined:
       return
     n, c = self.max_slots, self.capacity
@@ -657,6 +684,25 @@ class Scheduler:
     restored = (self.snapshots, snaps) if self.snapshots is not None else ()
     args = (self.state, self.fresh, rows, tokens, max_new, num_generated, seq_ids, sampling, eos, copy, restored)
     self.state = self._call('admit', slots.admit, args + (lengths,))
+
+  def _prefix_in_flight(self, todo: list[int]) -> int:
+    """Pages of `todo` a slot still prefilling shares and will cache when its prompt is in (0: none): a request
+    that would find more there than cached now waits for it instead of prefilling the same tokens beside it."""
+    ps, lag, best = self.page_size, self.prefix.key_lag, 0
+    limit = (len(todo) - 1) // ps  # as `match`: at least one token is prefilled
+    for other in self.slots:
+      if other is None or other.active:
+        continue
+      n = min(len(todo), len(other.todo))
+      diff = np.flatnonzero(np.asarray(todo[:n]) != np.asarray(other.todo[:n]))
+      shared = int(diff[0]) if diff.size else n
+      pages = min(max(shared - lag, 0), len(other.todo) - self.prefix_trail) // ps
+      pages = min(pages, limit, self.prefix.full_pages(len(other.todo)))
+      if self.snapshots is not None:  # a hybrid row restores at a snapshot: every `snapshot_every` pages, and
+        last = min((len(other.todo) - 1) // ps, self.prefix.full_pages(len(other.todo)))  # its last full page
+        pages = pages if pages == last else pages // self.snapshot_every * self.snapshot_every
+      best = max(best, pages)
+    return best
 
   def _grow(self, job: _Job, tokens: int) -> None:
     """Pages for `tokens` positions of the job's slot, preempting the newest jobs while the pool is short."""
@@ -711,7 +757,8 @@ class Scheduler:
     outs, snap_rows, snap_slots = [], [], []
     for job, q in batch:  # one row a call: the chunk is the batch (executables: one per chunk bucket)
       chunk = self.engine.prefill_chunk  # the chunks `_shapes` lists: the buckets below it, and it
-      t = min(next((b for b in PREFILL_BUCKETS if b >= max(q, self.prefill_pad)), chunk), chunk)
+      pad = 0 if job.cached else self.prefill_pad  # a row past a cached prefix prefills its rest in its own bucket
+      t = min(next((b for b in PREFILL_BUCKETS if b >= max(q, pad)), chunk), chunk)
       tokens = np.zeros((1, t), np.int32)
       tokens[0, :q] = job.todo[job.prefilled : job.prefilled + q]
       job.prefilled += q
@@ -868,6 +915,8 @@ class Scheduler:
       tokens, active, logprobs = outs
       for i, job in enumerate(live):
         if job.slot >= 0:  # not finished by its first token this round
+          if self.prefix_trail and job.drafter_upto < 0:  # a drafter's own caches miss what a plain step decodes
+            job.drafter_upto = job.length
           job.length += 1
           self._emit(job, [int(tokens[i])], [float(logprobs[i])], bool(active[i]))
       return

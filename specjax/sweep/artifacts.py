@@ -20,7 +20,8 @@ RESULTS = 'results.jsonl'
 SUMMARY = 'summary.md'
 # The fields of results.jsonl that read a clock: the only ones two backends (or two runs) write differently,
 # with the manifest's started / finished / runs (which also name each run's backend and worker hosts).
-TIMING_FIELDS = ('step_s', 'decode_s', 'prefill_s', 'compile_s', 'decode_s_runs', 'seconds')
+# Fields that depend on the clock or on what the process ran before (the prefix cache's hits), not on the config.
+TIMING_FIELDS = ('step_s', 'decode_s', 'prefill_s', 'compile_s', 'decode_s_runs', 'seconds', 'cached_tokens')
 
 
 def comparable(record: dict) -> dict:

@@ -76,6 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
           'warmup': True,  # a batch whose run compiled an executable runs again, and the rerun is timed
           'repeats': 1,  # timed runs per batch; the fastest counts (the others are recorded)
           'interleave': False,  # prompt-major order: each batch runs in every cell before the next batch
+          # Generate calls share the KV pages of repeated prefixes: a batch's rows, its reruns, and the cells one
+          # engine runs (the same drafter; prompt-major order keeps a batch's pages until every cell has run it).
+          'prefix_cache': True,
           'trace': False,  # results.jsonl keeps each speculative step's k, drafts, accepted count and emitted ids
           # What one cell asks of a worker under `backend='ray'` or `'slurm'` (not part of the config hash).
           'resources': {'cpus': 1.0, 'gpus': 0.0},

@@ -269,6 +269,7 @@ def _row_record(row: int, result, stats, prompt: Prompt, request_id: int, base: 
       'live_per_step': [int(live) for _, _, live in steps],
       'decode_s': stats.decode_s,
       'prefill_s': stats.prefill_s,
+      'cached_tokens': stats.cached_tokens,  # the batch's prompt tokens found in the prefix cache
       'compile_s': stats.compile_s,
       'batch_rows': stats.rows,
       'batch_decode_tokens': stats.generated_tokens - stats.rows,
@@ -551,6 +552,7 @@ def _generate(
   and position), only the clock does. Returns (results, stats, decode seconds of every timed run).
   """
   kw = dict(max_new_tokens=cell.config['max_new_tokens'], sampling=sampling, request_ids=ids, num_draft=num_draft)
+  engine.prefix_cache = None if cell.config['prefix_cache'] else False  # one engine (compiled once) serves both
   if num_draft:
     kw['policy_state'] = policy_state
     kw['trace'] = cell.config['trace']
