@@ -101,14 +101,16 @@ class Engine:
     profile: split each speculative step into its draft and verify executables
       with a host sync between them, to report draft / verify time per request
       (costs one extra sync per step; off for throughput runs).
-    prefix_cache: `generate` keeps its batch scheduler (one per batch shape,
-      the `HELD` most recent) and shares the KV pages of repeated prefixes
+    prefix_cache: `generate` keeps its batch scheduler (that of the last
+      batch shape: `HELD`) and shares the KV pages of repeated prefixes
       within and across calls (`specjax.cache.prefix`): None (default) where
       the target and drafter allow it, True (an error where they can't),
       False (every call prefills every prompt, on a fresh scheduler).
   """
 
-  HELD = 4  # batch schedulers `generate` keeps, one per (rows, capacity, pages); the oldest is dropped
+  # Batch schedulers `generate` keeps, one per (rows, capacity, pages), the oldest dropped first: each holds a page
+  # pool of its batch's size (one: no more memory between calls than the last call used).
+  HELD = 1
 
   def __init__(
       self,
@@ -303,6 +305,8 @@ class Engine:
       self._held[shape] = held
       held[0].set_depth(num_draft)  # checked (`check_depth`) before anything changes
       return held[0]
+    while self.prefix_cache is not False and len(self._held) >= self.HELD:  # before the new pool is built
+      self._held.popitem(last=False)
     scheduler = Scheduler(
         self,
         max_slots=layout.batch,
@@ -316,8 +320,6 @@ class Engine:
     )
     if scheduler.prefix is not None:  # held: weights are kept referenced, so their identities stay theirs
       self._held[shape] = (scheduler, weights)
-      while len(self._held) > self.HELD:
-        self._held.popitem(last=False)
     return scheduler
 
   def reset_prefix_cache(self) -> None:
@@ -413,7 +415,7 @@ class Engine:
     scheduler.step_log, scheduler.grammar_s = [], 0.0  # this call's (a held scheduler ran earlier ones)
     seq_ids = list(range(len(ids))) if request_ids is None else [int(r) for r in request_ids]
     requests = [Request(p, max_new_tokens, sampling, seq_id=s, trace=trace) for p, s in zip(ids, seq_ids)]
-    handles = [scheduler.submit(r) for r in requests]  # in order: row i is slot i
+    handles = [scheduler.submit(r) for r in requests]  # results are read per handle (a row's slot may differ)
     t0 = time.perf_counter()
     clock = {'first': None, 'compile': 0.0}
 

@@ -83,6 +83,7 @@ class _Job:
   snaps: dict[int, int] = dataclasses.field(default_factory=dict)  # pages -> snapshot slot, not yet in the index
   cached: int = 0  # tokens its last admission found in the prefix cache (not prefilled)
   drafter_upto: int = -1  # the first position a plain decode step left out of the drafter's caches (-1: none)
+  in_flight: list[bytes] = dataclasses.field(default_factory=list)  # page keys it caches when its prefill ends
 
   @property
   def request(self) -> Request:
@@ -228,6 +229,7 @@ class Scheduler:
     self.prefill_pad = prefill_pad
     self._phase_s = (0.0, 0.0)  # draft, verify seconds of the last profiled step
     self._deferred = 0  # waiting requests held back for a prefix another slot is prefilling (`_admit`)
+    self._in_flight: collections.Counter[bytes] = collections.Counter()  # page keys prefilling slots will cache
     self.state = self._initial_state()
     self.fresh = self._initial_state(num_pages=2)  # one empty row, repeated; its pools are never read
     self.snapshots = None  # hybrid targets: the snapshot pool (`slots.snapshot_pool`)
@@ -524,6 +526,7 @@ class Scheduler:
   # admission and leaving
 
   def _free(self, job: _Job, deactivate: bool = True, counter: str | None = None) -> None:
+    self._land(job)
     with self._lock:  # one update, as `metrics` reads it
       if counter:
         self.counters[counter] += 1
@@ -641,6 +644,8 @@ class Scheduler:
           self.counters['prompt_tokens'] += len(job.request.prompt)
       job.slot, job.todo, job.prefilled, job.active = slot, todo, len(hit) * self.page_size + cow[2], False
       job.cached, job.drafter_upto = job.prefilled, -1  # a prefill writes the drafter's caches over all of todo
+      if self.prefix:
+        self._fly(job, len(hit))
       with self._lock:
         pages = self.allocator.allocate(slot, cow[2] and (len(hit) + 1) * self.page_size, [p for _, p in hit])
         if self.prefix:
@@ -686,23 +691,31 @@ class Scheduler:
     self.state = self._call('admit', slots.admit, args + (lengths,))
 
   def _prefix_in_flight(self, todo: list[int]) -> int:
-    """Pages of `todo` a slot still prefilling shares and will cache when its prompt is in (0: none): a request
-    that would find more there than cached now waits for it instead of prefilling the same tokens beside it."""
-    ps, lag, best = self.page_size, self.prefix.key_lag, 0
-    limit = (len(todo) - 1) // ps  # as `match`: at least one token is prefilled
-    for other in self.slots:
-      if other is None or other.active:
-        continue
-      n = min(len(todo), len(other.todo))
-      diff = np.flatnonzero(np.asarray(todo[:n]) != np.asarray(other.todo[:n]))
-      shared = int(diff[0]) if diff.size else n
-      pages = min(max(shared - lag, 0), len(other.todo) - self.prefix_trail) // ps
-      pages = min(pages, limit, self.prefix.full_pages(len(other.todo)))
-      if self.snapshots is not None:  # a hybrid row restores at a snapshot: every `snapshot_every` pages, and
-        last = min((len(other.todo) - 1) // ps, self.prefix.full_pages(len(other.todo)))  # its last full page
-        pages = pages if pages == last else pages // self.snapshot_every * self.snapshot_every
-      best = max(best, pages)
-    return best
+    """Pages of `todo` a slot still prefilling will cache when its prompt is in (0: none): a request that would
+    find more there than cached now waits for it instead of prefilling the same tokens beside it."""
+    if not self._in_flight:
+      return 0
+    keys = self.prefix.chain(todo, min((len(todo) - 1) // self.page_size, self.prefix.full_pages(len(todo))))
+    return max((i for i, key in enumerate(keys, 1) if key in self._in_flight), default=0)  # a key names its prefix
+
+  def _fly(self, job: _Job, hit: int) -> None:
+    """Counts the pages past `hit` a joining job caches when its prompt is in (hybrids: those with a snapshot)."""
+    ps, todo = self.page_size, job.todo
+    n = min(self.prefix.full_pages(len(todo)), max(len(todo) - self.prefix_trail, 0) // ps)
+    keys = list(enumerate(self.prefix.chain(todo, n), 1))[hit:]
+    if self.snapshots is not None:
+      last = min((len(todo) - 1) // ps, self.prefix.full_pages(len(todo)))
+      keys = [(i, key) for i, key in keys if i % self.snapshot_every == 0 or i == last]
+    job.in_flight = [key for _, key in keys]
+    self._in_flight.update(job.in_flight)
+
+  def _land(self, job: _Job) -> None:
+    """The job's prompt is in (or it left): its pages are no longer in flight."""
+    self._in_flight.subtract(job.in_flight)
+    for key in job.in_flight:
+      if self._in_flight[key] <= 0:
+        del self._in_flight[key]
+    job.in_flight = []
 
   def _grow(self, job: _Job, tokens: int) -> None:
     """Pages for `tokens` positions of the job's slot, preempting the newest jobs while the pool is short."""
@@ -765,6 +778,7 @@ class Scheduler:
       finish = job.prefilled == len(job.todo)
       if finish:  # active on the device after this call: the round's step already runs it
         job.active, job.length, job.first_pending = True, len(job.todo), True
+        self._land(job)
       static = {
           'drafter': self.drafter,
           'greedy': job.request.sampling.is_greedy,
