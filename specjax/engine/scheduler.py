@@ -278,11 +278,16 @@ class Scheduler:
     index = PrefixIndex(self.page_size, identity, lag, snapshot_slots=num_snapshots)
     return index, f'on (recurrent state snapshotted every {self.snapshot_every} pages)'
 
+  def _matchable_pages(self, tokens: Sequence[int]) -> int:
+    """Full pages of `tokens` a request repeating them can start past (`match`: one token is always prefilled,
+    and a page's key lag tokens must exist)."""
+    return min((len(tokens) - 1) // self.page_size, self.prefix.full_pages(len(tokens)))
+
   def _snapshot_point(self, job: _Job, start: int, end: int) -> int:
     """The first position in (start, end] where a hybrid row's prefill snapshots its state (0: none): a multiple
     of `snapshot_every` pages, or the last full page a repeat of its prompt can match."""
     point = (start // (self.snapshot_every * self.page_size) + 1) * self.snapshot_every * self.page_size
-    last = min((len(job.todo) - 1) // self.page_size, self.prefix.full_pages(len(job.todo))) * self.page_size
+    last = self._matchable_pages(job.todo) * self.page_size
     if start < last < point:
       point = last
     return point if point <= end else 0
@@ -576,12 +581,13 @@ class Scheduler:
         # pages hang under that one (it holds none of them once it has left); a staying row holds the cached
         # page instead of its copy (the same positions, committed), so its later pages can join the cache.
         cached = self.prefix.page_of(key)
-        if cached is not None and not leaving and parent_page == self.prefix.page_of(parent):
+        if cached is not None and leaving:
+          page = cached
+        elif cached is not None and parent_page == self.prefix.page_of(parent):
           self.prefix.acquire([key])
           self.allocator.give([self.allocator.swap(job.slot, i, cached)])
-          self.tables[job.slot, i] = cached
+          self.tables[job.slot, i] = page = cached
           self._tables_dirty = True
-        page = cached if cached is not None and (leaving or self.tables[job.slot, i] == cached) else page
       parent, parent_page = key, page
     for pages in [p for p in job.snaps if p <= n]:
       slot = job.snaps.pop(pages)
@@ -695,7 +701,7 @@ class Scheduler:
     find more there than cached now waits for it instead of prefilling the same tokens beside it."""
     if not self._in_flight:
       return 0
-    keys = self.prefix.chain(todo, min((len(todo) - 1) // self.page_size, self.prefix.full_pages(len(todo))))
+    keys = self.prefix.chain(todo, self._matchable_pages(todo))
     return max((i for i, key in enumerate(keys, 1) if key in self._in_flight), default=0)  # a key names its prefix
 
   def _fly(self, job: _Job, hit: int) -> None:
@@ -704,7 +710,7 @@ class Scheduler:
     n = min(self.prefix.full_pages(len(todo)), max(len(todo) - self.prefix_trail, 0) // ps)
     keys = list(enumerate(self.prefix.chain(todo, n), 1))[hit:]
     if self.snapshots is not None:
-      last = min((len(todo) - 1) // ps, self.prefix.full_pages(len(todo)))
+      last = self._matchable_pages(todo)
       keys = [(i, key) for i, key in keys if i % self.snapshot_every == 0 or i == last]
     job.in_flight = [key for _, key in keys]
     self._in_flight.update(job.in_flight)
