@@ -151,6 +151,24 @@ def _conv_inputs(seed, batch=4, length=6, channels=5, width=4):
   return x, conv_state, weight
 
 
+@pytest.mark.parametrize('size', [1, 5, 64])
+def test_unit_lower_inverse_matches_a_float64_solve(size):
+  """The chunked rule's matmul-only inverse of its (I + strictly lower) system, against numpy in float64, with
+  the rule's own kind of entries (l2-normalised keys, beta in (0, 1), decays): no worse than `solve_triangular`."""
+  rng = np.random.default_rng(size)
+  k = rng.normal(size=(3, size, 16))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  cum = -np.cumsum(rng.uniform(0, 0.3, (3, size)), -1)
+  decay = np.exp(np.minimum(cum[:, :, None] - cum[:, None, :], 0))  # kept below the diagonal only
+  system = np.tril(rng.uniform(0, 1, (3, size, 1)) * k @ np.swapaxes(k, 1, 2) * decay, -1) + np.eye(size)
+  want = np.linalg.inv(system)
+  system = jnp.asarray(system, jnp.float32)
+  got = np.asarray(jax.jit(gated_deltanet.unit_lower_inverse)(system))
+  eye = jnp.broadcast_to(jnp.eye(size), system.shape)
+  trsm = np.asarray(jax.scipy.linalg.solve_triangular(system, eye, lower=True, unit_diagonal=True))
+  assert np.abs(got - want).max() <= max(2 * np.abs(trsm - want).max(), 1e-6)
+
+
 def test_causal_conv1d_matches_numpy():
   x, conv_state, weight = _conv_inputs(7)
   query_lens = np.array([6, 3, 0, 1])

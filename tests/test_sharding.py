@@ -132,11 +132,6 @@ def logits(model, ids):
 
 def tokens(model, drafter=False):
   # AR tokens, and with `drafter` also n-gram speculative tokens and accepted drafts (one engine: one prefill).
-  if model.is_hybrid and model.mesh is not None and (drafter or model.mesh.shape['data'] > 1):
-    try:  # refused before any work (see the test)
-      specjax.Engine(model, page_size=4, drafter=make_drafter('ngram', model) if drafter else None)
-    except specjax.SpecjaxError as e:
-      return ((tokens(model) if model.mesh.shape['data'] == 1 else str(e)), str(e), 0) if drafter else str(e)
   engine = specjax.Engine(model, page_size=4, drafter=make_drafter('ngram', model) if drafter else None)
   ar = [r.tokens for r in engine.generate(PROMPTS, max_new_tokens=8, num_draft=0)[0]]
   if not drafter:
@@ -168,19 +163,15 @@ print(json.dumps(out))
 def test_sharded_greedy_equals_one_device(target):
   """TP 2, TP 4 (KV heads duplicated), DP 2, DP 2 x TP 2 (Llama 3 on each; the others on TP 4 and DP 2 x TP 2, both
   axes at once): the AR and n-gram tokens equal one device's AR tokens, the logits agree (sharded sums differ in
-  rounding only); a broken gate|up layout changes the tokens. A hybrid target over a mesh with a drafter or DP is
-  refused with a clear error (the scheduler's prefill deadlocks in XLA:CPU's collectives there)."""
+  rounding only); a broken gate|up layout changes the tokens. The hybrid target runs every mesh too, with a drafter
+  and DP (its chunked rule solves by matmuls: LAPACK's trsm deadlocked XLA:CPU's thread pool with 4 devices)."""
   meshes = [(2, 1), (4, 1), (1, 2), (2, 2)] if target == 'tiny_llama3' else [(4, 1), (2, 2)]
   out = run_on_devices(GREEDY.format(path=f'{FIXTURES}/{target}', mutant=target == 'tiny_llama3', meshes=meshes))
   want = out.pop('want')
   mutant = out.pop('mutant', None)
   for mesh, got in out.items():
-    if target == 'tiny_qwen3_5':  # TP alone decodes; a drafter or DP is refused with the reason
-      assert got['ar'] == want if mesh == '4x1' else 'hybrid' in got['ar'], (mesh, got['ar'])
-      assert 'hybrid' in got['ngram'] and 'mesh' in got['ngram'], got['ngram']
-    else:
-      assert got['ar'] == want, mesh
-      assert got['ngram'] == want, mesh
+    assert got['ar'] == want, mesh
+    assert got['ngram'] == want, mesh
     assert got['logit_err'] < 1e-4, (mesh, got['logit_err'])
   if target == 'tiny_gemma3':  # its greedy text repeats itself: n-gram drafts get accepted
     assert all(got['accepted'] > 0 for got in out.values()), out

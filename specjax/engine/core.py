@@ -30,7 +30,6 @@ from specjax.errors import SpecjaxError
 from specjax.grammar import compile_constraint
 from specjax.metrics import SpecMetrics
 from specjax.models.base import Model
-from specjax.parallel.mesh import DATA, mesh_size
 from specjax.policies import Policy
 from specjax.sampling import SamplingParams
 from specjax.step import (
@@ -131,12 +130,6 @@ class Engine:
       raise SpecjaxError(
           f'{model.source}: draft trees need a target whose cache rolls back by position; this hybrid '
           '(recurrent-state) target verifies chains only (drop the tree options)'
-      )
-    if model.is_hybrid and model.mesh is not None and (drafter is not None or mesh_size(model.mesh, DATA) > 1):
-      raise SpecjaxError(
-          f'{model.source}: a hybrid (recurrent-state) target over a device mesh decodes with tensor parallelism '
-          "only and without a drafter for now (the scheduler's prefill step deadlocks in XLA:CPU's collectives "
-          'otherwise); drop the drafter or --dp, or run on one device'
       )
     self.model = model
     self.page_size = page_size

@@ -113,7 +113,7 @@ def chunked_gated_delta_rule(
   system = _einsum('bnmck,bnmdk->bnmcd', k_beta, k) * decay
   system = jnp.tril(system, -1) + jnp.eye(chunk_size, dtype=jnp.float32)
   rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
-  solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+  solved = _einsum('bnmcd,bnmde->bnmce', unit_lower_inverse(system), rhs)
   u, w = jnp.split(solved, [v.shape[-1]], axis=-1)  # [B, N, M, C, V], [B, N, M, C, K]
 
   intra = _einsum('bnmck,bnmdk->bnmcd', q, k) * decay  # within-chunk attention
@@ -132,6 +132,28 @@ def chunked_gated_delta_rule(
   final, out = jax.lax.scan(step, state.astype(jnp.float32), chunk_major)  # out: [M, B, N, C, V]
   out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, num_chunks * chunk_size, -1)
   return jnp.swapaxes(out, 1, 2)[:, :length], final
+
+
+def unit_lower_inverse(
+    lower: jax.Array,  # [..., C, C] unit lower triangular
+) -> jax.Array:  # [..., C, C]
+  """The inverse of I + S, S strictly lower triangular (nilpotent: S^C = 0), by matmuls only:
+  (I + S)^-1 = sum_j (-S)^j = (I - S)(I + S^2)(I + S^4)..., log2(C) squarings.
+
+  Not `solve_triangular`: on CPU that is LAPACK's trsm custom call, which splits its batch over XLA's intra-op
+  thread pool and waits inside a pool thread; with several devices in one process (a mesh over forced host
+  devices) every pool thread ended up waiting so (a hybrid target's prefill over TP 4 never returned). Its
+  error against a float64 solve is no larger (tests/test_gated_deltanet.py).
+  """
+  size = lower.shape[-1]
+  eye = jnp.eye(size, dtype=lower.dtype)
+  power = eye - lower  # -S
+  inverse, terms = eye + power, 2  # the series up to (-S)^(terms - 1)
+  while terms < size:
+    power = _einsum('...cd,...de->...ce', power, power)
+    inverse = inverse + _einsum('...cd,...de->...ce', inverse, power)
+    terms *= 2
+  return inverse
 
 
 def causal_conv1d(
