@@ -328,6 +328,20 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
       help='draft-depth policy (default: fixed at --n-predict); SPECJAX_POLICY overrides it',
   )
   p.add_argument(
+      '--candidates',
+      default=None,
+      metavar='K1,K2,...',
+      help="the tuner's depths (default: the drafter family's); 0 is speculation off (a plain decode step)",
+  )
+  p.add_argument(
+      '--policy-option',
+      action='append',
+      default=[],
+      metavar='KEY=VALUE',
+      help='a policy option, repeatable: load reduced=0 (off above the threshold) threshold=8; tuner '
+      'explore_every=32 margin=0.02 alpha=0.1 ...',
+  )
+  p.add_argument(
       '--profile', action='store_true', help='time draft and verify separately (one extra host sync per step)'
   )
   p.add_argument(
@@ -404,6 +418,7 @@ def depth_flag(args) -> int:
   k = default_depth(args) if args.n_predict is None else args.n_predict
   if k < 1:
     raise SpecjaxError(f'--n-predict must be at least 1, got {k}')
+  policy_flags(args)
   return k
 
 
@@ -412,6 +427,7 @@ def depth_policy(args, engine, options, k: int):
   capped: what Engine.generate uses), or the --policy / SPECJAX_POLICY depth policy."""
   if args.n_predict is None:
     k = engine.default_depth(fallback=k)
+  candidates, policy_options = policy_flags(args)
   if args.policy or os.environ.get('SPECJAX_POLICY'):
     from specjax.policies import make_policy
 
@@ -419,10 +435,46 @@ def depth_policy(args, engine, options, k: int):
         args.policy or 'fixed',
         family=engine.drafter.name,
         k=args.n_predict,
+        candidates=candidates,
         options=options,
         max_depth=engine.max_draft,
+        **policy_options,
     )
   return k
+
+
+def policy_flags(args) -> tuple[tuple[int, ...] | None, dict]:
+  """--candidates and --policy-option, parsed and checked against --policy before any work."""
+  if (args.candidates or args.policy_option) and not (args.policy or os.environ.get('SPECJAX_POLICY')):
+    raise SpecjaxError('--candidates and --policy-option need --policy')
+  if args.candidates and args.policy not in (None, 'tuner'):
+    raise SpecjaxError(f"--candidates are the tuner's depths; --policy {args.policy} takes --n-predict")
+  candidates = None
+  if args.candidates:
+    try:
+      candidates = tuple(int(x) for x in args.candidates.split(','))
+    except ValueError:
+      raise SpecjaxError(f'--candidates takes integers like 0,2,4, got {args.candidates!r}') from None
+    from specjax.policies import check_candidates
+
+    check_candidates(candidates, max(max(candidates), 1), off=True)  # the drafter's limit is checked at load
+  options = {}
+  for item in args.policy_option:
+    key, eq, value = item.partition('=')
+    if not eq or not key.strip():
+      raise SpecjaxError(f'--policy-option takes KEY=VALUE, got {item!r}')
+    try:
+      options[key.strip()] = int(value)
+    except ValueError:
+      try:
+        options[key.strip()] = float(value)
+      except ValueError:
+        raise SpecjaxError(f'--policy-option {key.strip()} takes a number, got {value!r}') from None
+  if args.policy and not os.environ.get('SPECJAX_POLICY'):
+    from specjax.policies.env import check_policy_options
+
+    check_policy_options(args.policy, options)
+  return candidates, options
 
 
 def cmd_run(args) -> int:

@@ -344,6 +344,15 @@ def test_bench_table(capsys, tmp_path):
         (['run', '-m', 'gemma-3-270m', '--prompt', 'x', '--mtp'], 'not supported from GGUF'),
         (['run', '-m', QWEN, '--prompt', 'x', '--mtp', '--drafter', 'ngram'], 'cannot be combined'),
         (['run', '-m', QWEN, '--prompt', 'x', '--drafter', 'layer-skip'], 'not supported on hybrid targets'),
+        (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'ngram', '--candidates', '0,2'], 'need --policy'),
+        (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'ngram', '--policy', 'load', '--candidates', '2'], 'tuner'),
+        (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'ngram', '--policy', 'tuner', '--candidates', 'a'], '0,2,4'),
+        (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'ngram', '--policy', 'tuner', '--candidates', '0'], 'off'),
+        (['run', '-m', TINY, '--prompt', 'x', '--drafter', 'ngram', '--policy', 'load', '--policy-option', 'x'], 'KEY'),
+        (
+            ['run', '-m', TINY, '--prompt', 'x', '--drafter', 'ngram', '--policy', 'load', '--policy-option', 'm=1'],
+            'no option m',
+        ),
     ],
 )
 def test_speculative_bad_input(capsys, argv, message):

@@ -85,7 +85,9 @@ def test_candidates_per_family_and_caps(block_family):
         (lambda: candidates_for('eagle9'), 'unknown drafter family'),
         (lambda: candidates_for('ngram', max_depth=0), 'max_depth'),
         (lambda: make_policy('tuner', family='ngram', candidates=(2, 9)), 'outside the drafter'),
-        (lambda: make_policy('tuner', family='ngram', candidates=(0, 2)), 'outside the drafter'),
+        (lambda: make_policy('tuner', family='ngram', candidates=(0,)), 'speculation off'),
+        (lambda: make_policy('tuner', family='ngram', candidates=(-1, 2)), 'outside the drafter'),
+        (lambda: make_policy('fixed', family='ngram', candidates=(0, 2)), 'outside the drafter'),
         (lambda: make_policy('tuner', family='ngram', candidates=()), 'outside the drafter'),
         (lambda: make_policy('fixed', family='ngram', k=5, max_depth=4), 'outside the drafter'),
         (lambda: make_policy('load', family='mtp', k=0), 'outside the drafter'),
@@ -95,7 +97,8 @@ def test_candidates_per_family_and_caps(block_family):
         (lambda: Tuner((2, 4), explore_every=1), 'explore_every'),
         (lambda: Tuner((2, 4), alpha=0.0), 'alpha'),
         (lambda: Fixed(0), 'K >= 1'),
-        (lambda: Load(full=4, reduced=0), 'reduced'),
+        (lambda: Load(full=4, reduced=-1), 'reduced'),
+        (lambda: Tuner((0,)), 'one >= 1'),
     ],
 )
 def test_bad_input_raises(call, match):
@@ -153,6 +156,25 @@ def test_fixed_and_load_rules():
   sim = simulate(load, trace, cost=CHEAP_VERIFY)
   assert all(k == (7 if live <= 8 else 3) for k, live in zip(sim.ks, sim.live))
   assert {3, 7} <= set(sim.ks)
+
+
+def test_speculation_off_as_a_depth():
+  """K = 0 (a plain decode step) is a candidate of `Load(reduced=0)` and of a tuner given 0: E(0) = 1 at width 1."""
+  load = Load(full=4, reduced=0, threshold=2)
+  assert load.candidates == (0, 4) and [load.choose((), live) for live in (1, 2, 3)] == [4, 4, 0]
+  tuner = Tuner((0, 2, 4), explore_every=0, costs={1: 1e-3, 5: 40e-3})
+  state = tuner.init()
+  assert tuner.widths().tolist() == [1, 3, 5] and tuner.widths(np.array([3])).tolist() == [1, 3, 4]
+  ks = []
+  for _ in range(12):  # drafts accepted half the time; a verify pass costs ~20 decode steps at width 3
+    k = tuner.choose(state, 1)
+    ks.append(k)
+    accepted, drafted = np.array([k // 2]), np.array([k])
+    state = tuner.observe(state, k, accepted, 1.0, 1, drafted, k + 1)
+  assert ks[:3] == [4, 2, 0] and set(ks[3:]) == {0}, ks  # warm-up deepest first (0 once), then off
+  assert tuner.expected_tokens(state)[0] == 1.0 and state.current == 0
+  with pytest.raises(SpecjaxError, match='verifies 1..1'):
+    tuner.observe(state, 0, np.array([0]), 1.0, 1, np.array([0]), 2)
 
 
 # ---------------------------------------------------------------- tuner
@@ -478,6 +500,31 @@ def test_replay_reproduces_a_recorded_run(tiny_model):
   assert other.tokens == sum(len(r.tokens) - 1 for r in results) and other.seconds > 0
   with pytest.raises(SpecjaxError, match='speculative metrics'):
     trace_from_stats([dataclasses.replace(results[0], spec=None)], stats)
+
+
+@pytest.mark.parametrize('policy', ['tuner', 'load'])
+def test_speculation_off_runs_plain_decode_steps(tiny_model, policy):
+  """A policy that chooses K = 0 runs the plain decode step (no verify pass) with the same tokens; the tuner
+  learns that step's cost at width 1 and stays off when verify passes cost more than their accepted drafts."""
+  import specjax
+
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=NgramDrafter())
+  prompts = ['def add(a, b):\n    return a + b\n\ndef add(a, b):\n', 'The cat sat on the mat. The cat', 'Hello']
+  reference, _ = engine.generate(prompts, max_new_tokens=20, num_draft=0)
+  if policy == 'tuner':
+    depth = Tuner((0, 2, 4), explore_every=0, costs={1: 1e-3, 5: 40e-3})
+  else:
+    depth = Load(full=4, reduced=0, threshold=2)
+  results, stats = engine.generate(prompts, max_new_tokens=20, num_draft=depth)
+  assert [r.tokens for r in results] == [r.tokens for r in reference]
+  ks = [k for k, _, _ in stats.steps]
+  if policy == 'tuner':
+    warmup = ks[: ks.index(0)]  # each drafting candidate until it drafted, deepest first; then off for good
+    assert warmup == sorted(warmup, reverse=True) and set(warmup) == {2, 4} and set(ks[len(warmup) :]) == {0}, ks
+    assert stats.policy_state.step == len(ks)  # it observed every step, the off ones (priced at width 1) too
+  else:
+    assert all(k == (4 if live <= 2 else 0) for k, _, live in stats.steps) and {0, 4} <= set(ks), stats.steps
+  assert sum(r.spec.target_steps for r in results) == sum(live for k, _, live in stats.steps if k)
 
 
 def test_policy_state_carries_across_requests(tiny_model):

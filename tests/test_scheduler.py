@@ -250,3 +250,22 @@ def test_row_buckets_bound_the_step_executables(tiny_model, capsys):
 
   assert cli.main(['serve', '-m', TINY, '--max-slots', '8', '--row-buckets', '2', '4']) == 2
   assert 'the largest max_slots (8), got [2, 4]' in capsys.readouterr().err
+
+
+def test_plain_steps_keep_lookahead_drafts_current(tiny_model):
+  """A plain decode step looks up a drafts-ahead drafter's next drafts too: when a policy turns speculation back
+  on, the first step drafts what the context then holds (stale drafts would be exact but rejected, and would hide
+  the drafts the tuner prices)."""
+  from specjax.drafters.ngram import ngram_lookup
+
+  drafter = make_drafter('ngram', tiny_model)
+  engine = specjax.Engine(tiny_model, page_size=4, drafter=drafter)
+  code = encode(tiny_model, 'def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a,')
+  with Scheduler(engine, max_slots=2, max_seq_len=128, num_draft=Load(full=4, reduced=0, threshold=1)) as scheduler:
+    _, long = served(scheduler, [Request(encode(tiny_model, 'Hello'), 6), Request(code, 24, trace=True)])
+  trace = long.stats.trace  # its draft-verify steps: it ran alone, after the other request left
+  before = len(long.tokens) - sum(len(step['emitted']) for step in trace)
+  assert trace and before > 2, (before, trace)  # plain steps (two live) came first
+  context = np.array([code + long.tokens[:before]], np.int32)
+  drafts, lens = ngram_lookup(context, np.array([context.shape[1]]), 4, drafter.n_min, drafter.n_max)
+  assert int(lens[0]) > 0 and trace[0]['drafts'] == np.asarray(drafts)[0, : int(lens[0])].tolist()

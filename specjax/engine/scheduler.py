@@ -253,7 +253,9 @@ class Scheduler:
     self.policy = policy
     self.pstate = policy.init() if policy else None
     # A step's K rounds up to one of these (the policy's candidates; a request deeper than all compiles its own).
-    self.step_depths = sorted(policy.candidates if policy else {self.max_depth}) if self.drafter else []
+    self.step_depths = (
+        sorted(k for k in (policy.candidates if policy else {self.max_depth}) if k) if self.drafter else []
+    )
 
   def _prefix_index(self, wanted: bool | None, num_snapshots: int) -> tuple[PrefixIndex | None, str]:
     if wanted is False:
@@ -342,6 +344,14 @@ class Scheduler:
       depths |= {w - 1 for d in self.step_depths for w in verify_widths(d)}
     return sorted(depths)
 
+  def _decode_call(self, rows, greedy: bool, bitmask=None) -> tuple[str, tuple, dict]:
+    """The plain decode step's (name, args, static); a drafter that drafts ahead (n-gram) also looks up its next
+    drafts in it (`slots.decode_rows`)."""
+    ahead = self.drafter if self.drafter is not None and self.drafter.drafts_ahead else None
+    args = (self.state, rows, bitmask) + ((self.drafter.params(),) if ahead else ())
+    static = {'greedy': greedy} | ({'drafter': ahead} if ahead else {})
+    return ('decode' if bitmask is None else 'decode_grammar'), args, static
+
   def _shapes(self, sampled: bool) -> list[tuple]:
     """(name, fn, args, static, donate) of every step and prefill executable steady state may use."""
     modes = (True, False) if sampled else (True,)
@@ -351,7 +361,8 @@ class Scheduler:
     for r in self.row_buckets():
       rows = np.full(r, self.max_slots, np.int32)
       for greedy in modes:
-        out.append(('decode', slots.decode_rows, (self.state, rows), {'greedy': greedy}, (1,)))
+        name, args, static = self._decode_call(rows, greedy)
+        out.append((name, slots.decode_rows, args, static, (1,)))
         for k in self.exec_depths():
           static = {'drafter': self.drafter, 'k': k, 'greedy': greedy}
           out.append(('spec', slots.spec_rows, (dparams, self.state, rows, np.zeros(r, np.int32)), static, (2,)))
@@ -524,7 +535,8 @@ class Scheduler:
     if prefilled is not None:
       self._after_prefill(outs[0])
     if stepped is not None:
-      self._after_step(outs[1], t_got - t0 - (self.engine.executables.compile_s - compiled), before)
+      dt = t_got - t0 - (self.engine.executables.compile_s - compiled)
+      self._after_step(outs[1], dt, before, priced=prefilled is None)
       self.host_s += (t_get - t0 - self._dispatch_s) + (time.perf_counter() - t_got)
     return prefilled is not None or stepped is not None or bool(self.waiting)
 
@@ -882,11 +894,9 @@ class Scheduler:
       grammars.active = np.arange(r) < len(live)
     self._step_grammars = grammars
     if not deepest:
-      if grammars is None:
-        self.state, out = self._call('decode', slots.decode_rows, (self.state, rows), {'greedy': greedy})
-      else:
-        args = (self.state, rows, grammars.bitmask(grammars.active))
-        self.state, out = self._call('decode_grammar', slots.decode_rows, args, {'greedy': greedy})
+      bitmask = None if grammars is None else grammars.bitmask(grammars.active)
+      name, args, static = self._decode_call(rows, greedy, bitmask)
+      self.state, out = self._call(name, slots.decode_rows, args, static)
       return out
     static = {'drafter': self.drafter, 'k': k_exec, 'greedy': greedy}
     dparams = self.drafter.params()
@@ -912,8 +922,9 @@ class Scheduler:
     self.state, out = self._call('verify_grammar', slots.verify_rows, args, static, donate=(2,))
     return out
 
-  def _after_step(self, outs, dt: float, before: np.ndarray) -> None:
-    """Streams a step's tokens; outputs are indexed by the job's place in the step's rows."""
+  def _after_step(self, outs, dt: float, before: np.ndarray, priced: bool = True) -> None:
+    """Streams a step's tokens; outputs are indexed by the job's place in the step's rows. `priced`: `dt` is the
+    step's time alone (a round that also prefilled is not shown to the policy: its time is not the step's)."""
     live, (k_step, k_exec, deepest) = self._step_live, self._step_k
     self.counters['steps'] += 1
     grammars = self._step_grammars
@@ -939,6 +950,9 @@ class Scheduler:
             job.drafter_upto = job.length
           job.length += 1
           self._emit(job, [int(tokens[i])], [float(logprobs[i])], bool(active[i]))
+      if self.policy and priced and not k_step:  # the policy turned speculation off: it learns a plain step's cost
+        none = np.zeros(len(live), np.int32)
+        self.pstate = self.policy.observe(self.pstate, 0, none, dt, len(live), none, 1, None)
       return
     tokens, emitted, accepted, drafted, active, drafts, logprobs = outs
     n = len(live)
@@ -973,7 +987,7 @@ class Scheduler:
             self.accepted_at[p] += 1
       job.length += e
       self._emit(job, tokens[i, :e].tolist(), logprobs[i, :e].tolist(), bool(active[i]))
-    if self.policy:
+    if self.policy and priced and k_step:  # (K = 0 with rows that set their own depth: its choice did not run)
       self.pstate = self.policy.observe(
           self.pstate,
           k_step,

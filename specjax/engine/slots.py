@@ -203,9 +203,11 @@ def live_rows(state: DecodeState, rows: jax.Array) -> DecodeState:
   return dataclasses.replace(sub, active=sub.active & (rows < state.active.shape[0]))
 
 
-def decode_rows(graphdef, params, state: DecodeState, rows, bitmask=None, *, greedy: bool):
+def decode_rows(graphdef, params, state: DecodeState, rows, bitmask=None, dparams=(), *, greedy: bool, drafter=None):
   """One token for each active slot of `rows` [R] (the live slots, padded to a bucket), under `bitmask` [R, W]
-  (grammar masks, all ones for unconstrained rows) when given.
+  (grammar masks, all ones for unconstrained rows) when given. `drafter` (one that drafts ahead, with `dparams`)
+  looks up the next step's drafts after the token, as a draft-verify step would: a policy that turned
+  speculation off sees the drafts the context has and can turn it back on.
 
   Returns (state, (tokens [R], active [R], log-probabilities [R])).
   """
@@ -214,6 +216,8 @@ def decode_rows(graphdef, params, state: DecodeState, rows, bitmask=None, *, gre
   hidden, cache, _ = append(model, sub.last_tokens[:, None], sub.cache, sub.active.astype(jnp.int32))
   sampling = dataclasses.replace(sub.row_sampling, is_greedy=greedy)
   new, logprobs = emit(model, hidden[:, 0], dataclasses.replace(sub, cache=cache), sub.row_eos, sampling, True, bitmask)
+  if drafter is not None:
+    new = dataclasses.replace(new, drafter=drafter.start(dparams, new.drafter, draft_context(new)))
   new = keep_rows(new, sub, ~sub.active)
   return put_rows(state, new, rows), (new.last_tokens, new.active, logprobs)
 

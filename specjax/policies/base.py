@@ -13,7 +13,10 @@ ahead (`Drafter.drafts_ahead`: the host knows it before the step; else None),
 `accepted` the drafts each accepted in the step, `drafted` how many it
 drafted (fewer than K when an n-gram match runs short; None: K) and `width`
 the positions the verify pass ran (`depths.step_depth`; None: K + 1). Every K a
-policy may return is in `policy.candidates`, so each is compiled once.
+policy may return is in `policy.candidates`, so each is compiled once. K = 0
+(a candidate of `Load(reduced=0)` and of a tuner given 0) turns speculation
+off for the step: the scheduler runs its plain decode step (width 1, no
+drafts) and the policy observes it as such.
 `observe` returns a new state; it never changes its input.
 """
 
@@ -78,7 +81,7 @@ class Fixed(Policy):
 
 @dataclasses.dataclass(frozen=True)
 class Load(Policy):
-  """`full` drafts while at most `threshold` sequences are live, min(reduced, full) above."""
+  """`full` drafts while at most `threshold` sequences are live, min(reduced, full) above (0: plain decoding)."""
 
   full: int = 8
   reduced: int = 3
@@ -86,9 +89,9 @@ class Load(Policy):
   name: str = 'load'
 
   def __post_init__(self):
-    if self.full < 1 or self.reduced < 1 or self.threshold < 1:
+    if self.full < 1 or self.reduced < 0 or self.threshold < 1:
       raise SpecjaxError(
-          f'load policy needs full, reduced and threshold >= 1, got '
+          f'load policy needs full >= 1, reduced >= 0 (0: speculation off) and threshold >= 1, got '
           f'full={self.full} reduced={self.reduced} threshold={self.threshold}'
       )
 

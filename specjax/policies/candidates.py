@@ -7,12 +7,17 @@ from typing import Any, Sequence
 from specjax.errors import SpecjaxError
 
 
-def check_candidates(candidates: Sequence[int], max_depth: int) -> tuple[int, ...]:
-  """Sorted unique candidates, each within the drafter's limits 1..max_depth."""
+def check_candidates(candidates: Sequence[int], max_depth: int, off: bool = False) -> tuple[int, ...]:
+  """Sorted unique candidates, each within the drafter's limits 1..max_depth; `off`: 0 (a plain decode step)
+  may be one of them, beside at least one depth that drafts."""
   out = tuple(sorted({int(k) for k in candidates}))
-  bad = [k for k in out if not 1 <= k <= max_depth]
-  if not out or bad:
-    raise SpecjaxError(f"candidate depths {tuple(candidates)} are outside the drafter's limits 1..{max_depth}")
+  low = 0 if off else 1
+  bad = [k for k in out if not low <= k <= max_depth]
+  if not out or bad or out == (0,):
+    raise SpecjaxError(
+        f"candidate depths {tuple(candidates)} are outside the drafter's limits {low}..{max_depth}"
+        + (' (0 is speculation off: give a depth that drafts beside it)' if off and out == (0,) else '')
+    )
   return out
 
 

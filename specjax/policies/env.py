@@ -7,6 +7,7 @@ a policy, whatever the caller asked for:
   SPECJAX_POLICY=fixed:4        Fixed(4); plain `fixed`: the caller's K, else the deepest candidate
   SPECJAX_POLICY=tuner          Tuner over the family's candidates
   SPECJAX_POLICY=tuner:2,4,6    Tuner over these candidates
+  SPECJAX_POLICY=tuner:0,2,4    ... with speculation off (a plain decode step) as a candidate
   SPECJAX_POLICY=load           Load with the caller's K, else the deepest candidate, as full depth
   SPECJAX_POLICY=load:6         Load with full depth 6
 
@@ -48,6 +49,19 @@ def _from_env(value: str) -> tuple[str, int | None, tuple[int, ...] | None]:
   return name, depths[0], None
 
 
+def policy_options(name: str) -> set[str]:
+  """The options a policy takes beside its depths."""
+  cls = {'fixed': Fixed, 'tuner': Tuner, 'load': Load}[name]
+  return {f.name for f in dataclasses.fields(cls)} - {'name', 'k', 'full', 'candidates'}
+
+
+def check_policy_options(name: str, kw: dict) -> None:
+  unknown = sorted(set(kw) - policy_options(name))
+  if unknown:
+    allowed = ', '.join(sorted(policy_options(name))) or 'none'
+    raise SpecjaxError(f'policy {name!r} has no option {", ".join(unknown)} (options: {allowed})')
+
+
 def make_policy(
     name: str,
     *,
@@ -73,17 +87,13 @@ def make_policy(
     candidates = env_candidates if env_candidates is not None else candidates
   if name not in POLICIES:
     raise SpecjaxError(f'unknown policy {name!r} (choose from {", ".join(POLICIES)})')
-  cls = {'fixed': Fixed, 'tuner': Tuner, 'load': Load}[name]
-  allowed = {f.name for f in dataclasses.fields(cls)} - {'name', 'k', 'full', 'candidates'}
   if forced:
-    kw = {key: v for key, v in kw.items() if key in allowed}
-  unknown = sorted(set(kw) - allowed)
-  if unknown:
-    raise SpecjaxError(f'policy {name!r} has no option {", ".join(unknown)} (options: {", ".join(sorted(allowed))})')
+    kw = {key: v for key, v in kw.items() if key in policy_options(name)}
+  check_policy_options(name, kw)
 
   def depths() -> tuple[int, ...]:
     if candidates is not None:
-      return check_candidates(candidates, max_depth)
+      return check_candidates(candidates, max_depth, off=name == 'tuner')
     return candidates_for(family, options, max_depth=max_depth)
 
   if name == 'tuner':

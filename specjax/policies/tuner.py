@@ -57,9 +57,15 @@ class Tuner(Policy):
   the `step_s` it is given, so the choices do not depend on the machine's
   speed (tests; the engine still records the measured times).
 
+  Candidate 0 is speculation off: a plain decode step, E(0) = 1 at width 1, so
+  under load (a verify pass costs more than its accepted tokens bring) the
+  tuner turns drafting off, and probes the drafting candidates every
+  `explore_every` steps to turn it back on.
+
   Choice: argmax E(K) / T(K, live), staying on the current K unless another is
   better by more than `margin`. Warm-up runs each candidate, deepest first,
-  until it has run one step with drafts (at most `warmup_tries` steps each);
+  until it has run one step with drafts (at most `warmup_tries` steps each; 0
+  one step);
   then every `explore_every`-th step runs the candidate least recently tried
   at the current live bucket. No randomness: replays repeat exactly. The state
   can be carried across requests (`Engine.generate(policy_state=...)`).
@@ -80,8 +86,10 @@ class Tuner(Policy):
 
   def __post_init__(self):
     candidates = tuple(sorted({int(k) for k in self.candidates}))
-    if not candidates or candidates[0] < 1:
-      raise SpecjaxError(f'tuner needs candidate depths >= 1, got {tuple(self.candidates)}')
+    if not candidates or candidates[0] < 0 or candidates[-1] < 1:
+      raise SpecjaxError(
+          f'tuner needs candidate depths >= 0 (0: speculation off) with one >= 1, got {tuple(self.candidates)}'
+      )
     object.__setattr__(self, 'candidates', candidates)
     rates = (self.alpha, self.level_alpha, self.shape_alpha)
     if not (all(0 < r <= 1 for r in rates) and 0 <= self.prior <= 1 and 0 <= self.stale_rate < 1 and self.carry >= 0):
@@ -129,7 +137,7 @@ class Tuner(Policy):
     if pending is None or not np.size(pending):
       return np.asarray(self.candidates) + 1
     longest = int(np.max(pending))
-    return np.array([verified_width(k, np.array([longest])) for k in self.candidates])
+    return np.array([verified_width(k, np.array([longest])) if k else 1 for k in self.candidates])
 
   def step_times(self, state: TunerState, live: int, pending: np.ndarray | None = None) -> np.ndarray:  # [C]
     """Expected seconds of a step per candidate at this live batch size."""
@@ -138,7 +146,8 @@ class Tuner(Policy):
   def _forced(self, state: TunerState, live: int) -> int | None:
     """The candidate index a warm-up or exploration step runs, else None."""
     tries = (state.last_tried >= 0).sum(0)
-    warming = np.flatnonzero((state.drafted_steps == 0) & (tries < self.warmup_tries))
+    off = np.asarray(self.candidates) == 0  # warm after one step: it never drafts
+    warming = np.flatnonzero((state.drafted_steps == 0) & (tries < np.where(off, 1, self.warmup_tries)))
     if warming.size:
       return int(warming[-1])
     if self.explore_every and (state.step + 1) % self.explore_every == 0:
