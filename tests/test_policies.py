@@ -525,6 +525,7 @@ def test_speculation_off_runs_plain_decode_steps(tiny_model, policy):
   else:
     assert all(k == (4 if live <= 2 else 0) for k, _, live in stats.steps) and {0, 4} <= set(ks), stats.steps
   assert sum(r.spec.target_steps for r in results) == sum(live for k, _, live in stats.steps if k)
+  assert sum(r.spec.accepted for r in results) > 0  # the drafting steps' drafts were accepted too
 
 
 def test_policy_state_carries_across_requests(tiny_model):
