@@ -5,6 +5,11 @@ model = specjax.load('gemma-3-270m')
 results, stats = specjax.generate(model, ['The capital of France is'], max_new_tokens=32)
 """
 
+# pylint: disable=g-import-not-at-top,g-bad-import-order
+from specjax import xla_flags
+
+xla_flags.set_before_backend()  # before jax starts its CPU backend (specjax/xla_flags.py)
+
 from specjax.engine import Engine, GenerationResult, GenerationStats
 from specjax.errors import OutOfPagesError, SpecjaxError
 from specjax.loading import load, load_checkpoint

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.reductions import ordered_sum, tree_sum
+
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -67,6 +69,14 @@ def tree_depths(mask: jax.Array) -> jax.Array:  # [B, Q, Q] -> [B, Q] int32
   return jnp.sum(mask.astype(jnp.int32), axis=-1) - 1
 
 
+CHUNK_KEYS = 128  # keys per partial sum: a query's keys are summed chunk by chunk, then over chunks in order
+
+
+def chunk_pages(page_size: int) -> int:
+  """Pages per chunk of about `CHUNK_KEYS` keys (whole pages)."""
+  return max(1, CHUNK_KEYS // page_size)
+
+
 def _pages_to_gather(
     block_tables: jax.Array,  # [B, pages_per_seq]
     first_query_pos: jax.Array,  # [B]
@@ -74,19 +84,22 @@ def _pages_to_gather(
     n_q: int,
     sliding_window: int | None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Returns page ids [B, Np] and the first gathered page's index [B]."""
+  """Returns page ids [B, Nc * chunk_pages] (whole chunks, at multiples of a chunk from the table's start) and the
+  first gathered page's index [B]. Columns past the table read page 0 (masked by length)."""
   b, pages_per_seq = block_tables.shape
-  if sliding_window is None:
-    return block_tables, jnp.zeros((b,), jnp.int32)
-  # Keys in [first_query_pos - W + 1, first_query_pos + Q) span at most this
-  # many pages, whatever their alignment.
-  n_pages = -(-(sliding_window - 1 + n_q) // page_size) + 1
-  if n_pages >= pages_per_seq:
-    return block_tables, jnp.zeros((b,), jnp.int32)
-  first_key = jnp.maximum(first_query_pos - sliding_window + 1, 0)
-  first_page = jnp.minimum(first_key // page_size, pages_per_seq - n_pages)
-  cols = first_page[:, None] + jnp.arange(n_pages, dtype=jnp.int32)
-  return jnp.take_along_axis(block_tables, cols, axis=1), first_page
+  per_chunk = chunk_pages(page_size)
+  n_chunks = -(-pages_per_seq // per_chunk)
+  table = jnp.pad(block_tables, ((0, 0), (0, n_chunks * per_chunk - pages_per_seq)))
+  if sliding_window is not None:
+    # Keys in [first_query_pos - W + 1, first_query_pos + Q) span at most this many chunks, whatever their
+    # alignment.
+    n_window = -(-(sliding_window - 1 + n_q) // (per_chunk * page_size)) + 1
+    if n_window < n_chunks:
+      first_key = jnp.maximum(first_query_pos - sliding_window + 1, 0)
+      first_chunk = jnp.minimum(first_key // (per_chunk * page_size), n_chunks - n_window)
+      cols = first_chunk[:, None] * per_chunk + jnp.arange(n_window * per_chunk, dtype=jnp.int32)
+      return jnp.take_along_axis(table, cols, axis=1), first_chunk * per_chunk
+  return table, jnp.zeros((b,), jnp.int32)
 
 
 def ref_paged_attention(
@@ -101,8 +114,17 @@ def ref_paged_attention(
     logit_softcap: float | None = None,
     scale: float | None = None,
     mask: jax.Array | None = None,  # [B, Q, Q] bool, among the new tokens
+    width_invariant: bool | None = None,
 ) -> jax.Array:  # [B, Q, H, D]
-  """Attention of Q new queries over a paged KV cache (one layer)."""
+  """Attention of Q new queries over a paged KV cache (one layer).
+
+  `width_invariant` (default: on the CPU backend): a query's output has the same bits whatever Q, B and the
+  block table's width are, so a verify pass gives each position what a decode step gives it. Each query is its
+  own step of a loop (every dot has one query's shapes), its keys come in chunks of `CHUNK_KEYS` at fixed
+  offsets from the table's start (a dot per chunk), and the chunks' partial sums are added in order
+  (`ordered_sum`: masked chunks add exact zeros). Off, every query goes through one pair of dots (faster on a
+  GPU, where launches per query cost more than the arithmetic).
+  """
   check_inputs(q, k_pages, v_pages, block_tables, lengths, query_lens, mask, sliding_window, logit_softcap)
   b, n_q, n_heads, head_dim = q.shape
   n_kv_heads, _, page_size, _ = k_pages.shape
@@ -120,15 +142,11 @@ def ref_paged_attention(
   page_ids, first_page = _pages_to_gather(
       block_tables.astype(jnp.int32), first_query_pos, page_size, n_q, sliding_window
   )
-  n_pages = page_ids.shape[1]
-  n_keys = n_pages * page_size
-  k = k_pages[:, page_ids].reshape(n_kv_heads, b, n_keys, head_dim)
-  v = v_pages[:, page_ids].reshape(n_kv_heads, b, n_keys, head_dim)
-
-  q = (q.astype(jnp.float32) * scale).reshape(b, n_q, n_kv_heads, group, head_dim)
-  logits = jnp.einsum('bqkgd,kbsd->bkgqs', q, k, preferred_element_type=jnp.float32)
-  if logit_softcap is not None:
-    logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+  n_keys = page_ids.shape[1] * page_size
+  chunk = chunk_pages(page_size) * page_size
+  n_chunks = n_keys // chunk
+  k = k_pages[:, page_ids].reshape(n_kv_heads, b, n_chunks, chunk, head_dim)
+  v = v_pages[:, page_ids].reshape(n_kv_heads, b, n_chunks, chunk, head_dim)
 
   row = jnp.arange(n_q, dtype=jnp.int32)[None, :, None]  # [1, Q, 1]
   depth = row if mask is None else tree_depths(mask)[:, :, None]
@@ -145,14 +163,55 @@ def ref_paged_attention(
     visible &= jnp.where(new_index >= 0, tree, True)
   if sliding_window is not None:
     visible &= query_pos - key_pos < sliding_window
-  visible = visible[:, None, None]  # [B, 1, 1, Q, S]
+  visible = visible.reshape(b, n_q, n_chunks, chunk)
 
-  logits = jnp.where(visible, logits, MASK_VALUE)
-  weights = jnp.where(visible, jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)
+  q = (q.astype(jnp.float32) * scale).reshape(b, n_q, n_kv_heads, group, head_dim)
+  if width_invariant is None:
+    width_invariant = jax.default_backend() == 'cpu'
+  if not width_invariant:
+    out = _all_queries(
+        q,
+        k.reshape(n_kv_heads, b, n_keys, head_dim),
+        v.reshape(n_kv_heads, b, n_keys, head_dim),
+        visible.reshape(b, n_q, n_keys),
+        logit_softcap,
+    )
+    return out.reshape(b, n_q, n_heads, head_dim).astype(out_dtype)
+
+  def one_query(args):  # q [B, Hkv, G, D], visible [B, Nc, C] -> [B, Hkv, G, D]
+    q_i, visible_i = args
+    q_i = jnp.broadcast_to(q_i[:, :, None], (b, n_kv_heads, n_chunks, group, head_dim))
+    logits = jnp.einsum('bkcgd,kbcsd->bkcgs', q_i, k, preferred_element_type=jnp.float32)
+    if logit_softcap is not None:
+      logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+    seen = visible_i[:, None, :, None, :]  # [B, 1, Nc, 1, C]
+    logits = jnp.where(seen, logits, MASK_VALUE)
+    peak = logits.max(axis=(2, 4), keepdims=True)  # exact, in any order
+    weights = jnp.where(seen, jnp.exp(logits - peak), 0.0)
+    denom = ordered_sum(tree_sum(weights)[..., 0], axis=2)  # [B, Hkv, G]
+    out = ordered_sum(jnp.einsum('bkcgs,kbcsd->bkcgd', weights, v, preferred_element_type=jnp.float32), axis=2)
+    return out / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+  out = jax.lax.map(one_query, (q.transpose(1, 0, 2, 3, 4), visible.transpose(1, 0, 2, 3)))  # [Q, B, Hkv, G, D]
+  return out.transpose(1, 0, 2, 3, 4).reshape(b, n_q, n_heads, head_dim).astype(out_dtype)
+
+
+def _all_queries(
+    q: jax.Array,  # [B, Q, Hkv, G, D] float32, scaled
+    k: jax.Array,  # [Hkv, B, S, D]
+    v: jax.Array,  # [Hkv, B, S, D]
+    visible: jax.Array,  # [B, Q, S] bool
+    logit_softcap: float | None,
+) -> jax.Array:  # [B, Q, Hkv, G, D] float32
+  """Every query in one pair of dots (XLA tiles them by shape: not width-invariant; the GPU path)."""
+  logits = jnp.einsum('bqkgd,kbsd->bkgqs', q, k, preferred_element_type=jnp.float32)
+  if logit_softcap is not None:
+    logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+  seen = visible[:, None, None]  # [B, 1, 1, Q, S]
+  logits = jnp.where(seen, logits, MASK_VALUE)
+  weights = jnp.where(seen, jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)
   denom = weights.sum(-1)  # [B, Hkv, G, Q]
-  # Output [B, Hkv, G, Q, D] keeps V untransposed in XLA:CPU's dot (~6x faster
-  # than producing [B, Q, Hkv, G, D] directly); the transpose after is tiny.
-  out = jnp.einsum('bkgqs,kbsd->bkgqd', weights, v, preferred_element_type=jnp.float32)
+  # Output [B, Hkv, G, Q, D] keeps V untransposed in XLA's dot; the transpose after is tiny.
+  out = jnp.einsum('bkgqs,kbsd->bkgqd', weights, v.astype(jnp.float32), preferred_element_type=jnp.float32)
   out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
-  out = out.transpose(0, 3, 1, 2, 4).reshape(b, n_q, n_heads, head_dim)
-  return out.astype(out_dtype)
+  return out.transpose(0, 3, 1, 2, 4)

@@ -32,6 +32,7 @@ from specjax.metrics import SpecMetrics
 from specjax.models.base import Model
 from specjax.policies import Policy
 from specjax.sampling import SamplingParams
+from specjax import xla_flags
 from specjax.step import (
     DecodeState,
     decode_step,
@@ -131,6 +132,7 @@ class Engine:
           f'{model.source}: draft trees need a target whose cache rolls back by position; this hybrid '
           '(recurrent-state) target verifies chains only (drop the tree options)'
       )
+    xla_flags.check_cpu_backend()
     self.model = model
     self.page_size = page_size
     self.max_seq_len = max_seq_len or model.config.max_position_embeddings

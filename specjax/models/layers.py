@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.paged_attention import MASK_VALUE, paged_attention
+from pallas_kernels.reductions import tree_sum
 from specjax.cache.paged import write_kv
 from specjax.models.contract import PagedKV, StepInputs
 from specjax.parallel.attention import sharded_paged_attention
@@ -71,9 +72,14 @@ class RMSNorm(nnx.Module):
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:  # [..., D] -> float32 [..., D]
-  """`x * rsqrt(mean(x^2) + eps)` over the last axis in float32: an RMS norm without a weight."""
+  """`x * rsqrt(mean(x^2) + eps)` over the last axis in float32: an RMS norm without a weight.
+
+  The sum of squares is a fixed tree of adds (`tree_sum`), not XLA's row reduction, whose order on CPU depends
+  on how many rows there are: a verify pass of K + 1 positions normed a row to other bits than the decode step of
+  the same position (experiments/width_numerics/).
+  """
   x32 = x.astype(jnp.float32)
-  return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return x32 * jax.lax.rsqrt(tree_sum(x32 * x32) / x.shape[-1] + eps)
 
 
 # ---------------------------------------------------------------- rotary embeddings
