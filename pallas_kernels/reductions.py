@@ -5,7 +5,8 @@ the same row summed inside a [1, D] array and inside a [5, D] array can give
 different bits. A verify pass over K + 1 positions must give each position the
 bits a one-token decode step gives it, or greedy speculative output can leave
 the greedy autoregressive output (experiments/width_numerics/). These sums fix
-the order of every addition by the row alone.
+the order of every addition by the row alone (the attention's chunked sums:
+`pallas_kernels.paged_attention.reference._each_query`).
 """
 
 import jax
@@ -20,13 +21,3 @@ def tree_sum(x: jax.Array) -> jax.Array:  # [..., D] -> [..., 1]
     half = x.shape[-1] // 2
     x = x[..., :half] + x[..., half:]
   return x
-
-
-def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
-  """The sum along `axis`, left to right. Exact zeros before or after the nonzero terms leave the bits as they
-  are: a sum over the chunks that hold a query's keys gives the same bits whatever chunks around them (all
-  masked) were gathered."""
-  total = jax.lax.index_in_dim(x, 0, axis, keepdims=False)
-  for i in range(1, x.shape[axis]):
-    total = total + jax.lax.index_in_dim(x, i, axis, keepdims=False)
-  return total

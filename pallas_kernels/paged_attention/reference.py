@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reductions import ordered_sum, tree_sum
+from pallas_kernels.reductions import tree_sum
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -119,11 +119,10 @@ def ref_paged_attention(
   """Attention of Q new queries over a paged KV cache (one layer).
 
   `width_invariant` (default: on the CPU backend): a query's output has the same bits whatever Q, B and the
-  block table's width are, so a verify pass gives each position what a decode step gives it. Each query is its
-  own step of a loop (every dot has one query's shapes), its keys come in chunks of `CHUNK_KEYS` at fixed
-  offsets from the table's start (a dot per chunk), and the chunks' partial sums are added in order
-  (`ordered_sum`: masked chunks add exact zeros). Off, every query goes through one pair of dots (faster on a
-  GPU, where launches per query cost more than the arithmetic).
+  block table's width are, so a verify pass gives each position what a decode step gives it (`_each_query`:
+  keys in chunks of `CHUNK_KEYS` at fixed offsets from the table's start, only as many chunks as the longest
+  row fills, each query its own loop step). Off, every query goes through one pair of dots (faster on a GPU,
+  where launches per query cost more than the arithmetic).
   """
   check_inputs(q, k_pages, v_pages, block_tables, lengths, query_lens, mask, sliding_window, logit_softcap)
   b, n_q, n_heads, head_dim = q.shape
@@ -143,10 +142,9 @@ def ref_paged_attention(
       block_tables.astype(jnp.int32), first_query_pos, page_size, n_q, sliding_window
   )
   n_keys = page_ids.shape[1] * page_size
-  chunk = chunk_pages(page_size) * page_size
+  per_chunk = chunk_pages(page_size)
+  chunk = per_chunk * page_size
   n_chunks = n_keys // chunk
-  k = k_pages[:, page_ids].reshape(n_kv_heads, b, n_chunks, chunk, head_dim)
-  v = v_pages[:, page_ids].reshape(n_kv_heads, b, n_chunks, chunk, head_dim)
 
   row = jnp.arange(n_q, dtype=jnp.int32)[None, :, None]  # [1, Q, 1]
   depth = row if mask is None else tree_depths(mask)[:, :, None]
@@ -163,37 +161,79 @@ def ref_paged_attention(
     visible &= jnp.where(new_index >= 0, tree, True)
   if sliding_window is not None:
     visible &= query_pos - key_pos < sliding_window
-  visible = visible.reshape(b, n_q, n_chunks, chunk)
 
   q = (q.astype(jnp.float32) * scale).reshape(b, n_q, n_kv_heads, group, head_dim)
   if width_invariant is None:
     width_invariant = jax.default_backend() == 'cpu'
   if not width_invariant:
-    out = _all_queries(
-        q,
-        k.reshape(n_kv_heads, b, n_keys, head_dim),
-        v.reshape(n_kv_heads, b, n_keys, head_dim),
-        visible.reshape(b, n_q, n_keys),
-        logit_softcap,
-    )
+    k = k_pages[:, page_ids].reshape(n_kv_heads, b, n_keys, head_dim)
+    v = v_pages[:, page_ids].reshape(n_kv_heads, b, n_keys, head_dim)
+    out = _all_queries(q, k, v, visible, logit_softcap)
     return out.reshape(b, n_q, n_heads, head_dim).astype(out_dtype)
+  # Chunks up to the last one any row has keys in; the rest are masked for every query.
+  live = jnp.max(-(-(lengths - first_page * page_size) // chunk))
+  out = _each_query(
+      q,
+      k_pages,
+      v_pages,
+      page_ids.reshape(b, n_chunks, per_chunk),
+      visible.reshape(b, n_q, n_chunks, chunk),
+      jnp.clip(live, 0, n_chunks),
+      logit_softcap,
+  )
+  return out.reshape(b, n_q, n_heads, head_dim).astype(out_dtype)
 
-  def one_query(args):  # q [B, Hkv, G, D], visible [B, Nc, C] -> [B, Hkv, G, D]
-    q_i, visible_i = args
-    q_i = jnp.broadcast_to(q_i[:, :, None], (b, n_kv_heads, n_chunks, group, head_dim))
-    logits = jnp.einsum('bkcgd,kbcsd->bkcgs', q_i, k, preferred_element_type=jnp.float32)
-    if logit_softcap is not None:
-      logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-    seen = visible_i[:, None, :, None, :]  # [B, 1, Nc, 1, C]
-    logits = jnp.where(seen, logits, MASK_VALUE)
-    peak = logits.max(axis=(2, 4), keepdims=True)  # exact, in any order
-    weights = jnp.where(seen, jnp.exp(logits - peak), 0.0)
-    denom = ordered_sum(tree_sum(weights)[..., 0], axis=2)  # [B, Hkv, G]
-    out = ordered_sum(jnp.einsum('bkcgs,kbcsd->bkcgd', weights, v, preferred_element_type=jnp.float32), axis=2)
-    return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
-  out = jax.lax.map(one_query, (q.transpose(1, 0, 2, 3, 4), visible.transpose(1, 0, 2, 3)))  # [Q, B, Hkv, G, D]
-  return out.transpose(1, 0, 2, 3, 4).reshape(b, n_q, n_heads, head_dim).astype(out_dtype)
+def _each_query(
+    q: jax.Array,  # [B, Q, Hkv, G, D] float32, scaled
+    k_pages: jax.Array,  # [Hkv, P, page_size, D]
+    v_pages: jax.Array,  # [Hkv, P, page_size, D]
+    chunk_ids: jax.Array,  # [B, Nc, pages per chunk]
+    visible: jax.Array,  # [B, Q, Nc, C] bool
+    live: jax.Array,  # chunks to visit
+    logit_softcap: float | None,
+) -> jax.Array:  # [B, Q, Hkv, G, D] float32
+  """Width-invariant attention: chunk after chunk (only the first `live`), each query its own loop step.
+
+  Per query the running (peak, denominator, output) are rescaled and added to in chunk order (online softmax).
+  A chunk the query cannot see leaves them as they are bit for bit (its peak is MASK_VALUE, so the rescale is
+  exp(0) = 1, and it adds zeros), so whichever chunks around its own a pass visits, the query gets the bits a
+  one-query pass gives it.
+  """
+  b, n_q, n_kv_heads, group, head_dim = q.shape
+  chunk = visible.shape[-1]
+  k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+
+  def one_chunk(c, carry):
+    ids = jax.lax.dynamic_index_in_dim(chunk_ids, c, axis=1, keepdims=False)  # [B, pages per chunk]
+    k = k_pages[:, ids].reshape(n_kv_heads, b, chunk, head_dim)
+    v = v_pages[:, ids].reshape(n_kv_heads, b, chunk, head_dim).astype(jnp.float32)
+    seen = jax.lax.dynamic_index_in_dim(visible, c, axis=2, keepdims=False).transpose(1, 0, 2)  # [Q, B, C]
+
+    def one_query(args):  # q [B, Hkv, G, D], seen [B, C], running state [B, Hkv, G(, D)]
+      q_i, seen_i, peak, denom, acc = args
+      logits = jnp.einsum('bkgd,kbsd->bkgs', q_i, k, preferred_element_type=jnp.float32)
+      if logit_softcap is not None:
+        logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+      logits = jnp.where(seen_i[:, None, None], logits, MASK_VALUE)
+      new_peak = jnp.maximum(peak, logits.max(-1))
+      rescale = jnp.exp(peak - new_peak)
+      weights = jnp.where(seen_i[:, None, None], jnp.exp(logits - new_peak[..., None]), 0.0)
+      denom = denom * rescale + tree_sum(weights)[..., 0]
+      acc = acc * rescale[..., None] + jnp.einsum('bkgs,kbsd->bkgd', weights, v, preferred_element_type=jnp.float32)
+      return new_peak, denom, acc
+
+    return jax.lax.map(one_query, (q_by_query, seen) + carry)
+
+  q_by_query = q.transpose(1, 0, 2, 3, 4)  # [Q, B, Hkv, G, D]
+  state = (
+      jnp.full(q_by_query.shape[:-1], MASK_VALUE, jnp.float32),
+      jnp.zeros(q_by_query.shape[:-1], jnp.float32),
+      jnp.zeros(q_by_query.shape, jnp.float32),
+  )
+  _, denom, acc = jax.lax.fori_loop(0, live, one_chunk, state)
+  out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+  return out.transpose(1, 0, 2, 3, 4)
 
 
 def _all_queries(
