@@ -83,11 +83,11 @@ def _pages_to_gather(
     page_size: int,
     n_q: int,
     sliding_window: int | None,
+    per_chunk: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
-  """Returns page ids [B, Nc * chunk_pages] (whole chunks, at multiples of a chunk from the table's start) and the
-  first gathered page's index [B]. Columns past the table read page 0 (masked by length)."""
+  """Returns page ids [B, Nc * per_chunk] (whole chunks of `per_chunk` pages, at multiples of a chunk from the
+  table's start) and the first gathered page's index [B]. Columns past the table read page 0 (masked by length)."""
   b, pages_per_seq = block_tables.shape
-  per_chunk = chunk_pages(page_size)
   n_chunks = -(-pages_per_seq // per_chunk)
   table = jnp.pad(block_tables, ((0, 0), (0, n_chunks * per_chunk - pages_per_seq)))
   if sliding_window is not None:
@@ -138,11 +138,13 @@ def ref_paged_attention(
   query_lens = query_lens.astype(jnp.int32)
   first_query_pos = lengths - query_lens  # [B]
 
+  if width_invariant is None:
+    width_invariant = jax.default_backend() == 'cpu'
+  per_chunk = chunk_pages(page_size) if width_invariant else 1  # one page a chunk: the gather of old
   page_ids, first_page = _pages_to_gather(
-      block_tables.astype(jnp.int32), first_query_pos, page_size, n_q, sliding_window
+      block_tables.astype(jnp.int32), first_query_pos, page_size, n_q, sliding_window, per_chunk
   )
   n_keys = page_ids.shape[1] * page_size
-  per_chunk = chunk_pages(page_size)
   chunk = per_chunk * page_size
   n_chunks = n_keys // chunk
 
@@ -163,8 +165,6 @@ def ref_paged_attention(
     visible &= query_pos - key_pos < sliding_window
 
   q = (q.astype(jnp.float32) * scale).reshape(b, n_q, n_kv_heads, group, head_dim)
-  if width_invariant is None:
-    width_invariant = jax.default_backend() == 'cpu'
   if not width_invariant:
     k = k_pages[:, page_ids].reshape(n_kv_heads, b, n_keys, head_dim)
     v = v_pages[:, page_ids].reshape(n_kv_heads, b, n_keys, head_dim)
