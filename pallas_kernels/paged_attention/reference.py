@@ -208,11 +208,14 @@ def _each_query(
     ids = jax.lax.dynamic_index_in_dim(chunk_ids, c, axis=1, keepdims=False)  # [B, pages per chunk]
     k = k_pages[:, ids].reshape(n_kv_heads, b, chunk, head_dim)
     v = v_pages[:, ids].reshape(n_kv_heads, b, chunk, head_dim).astype(jnp.float32)
+    # Gathered (and K transposed to the dot's [D, C]) once a chunk: left to itself XLA fuses the gather into
+    # each query's step, so a verify pass gathered the chunk K + 1 times.
+    k_t, v = jax.lax.optimization_barrier((jnp.swapaxes(k, -1, -2), v))  # [Hkv, B, D, C], [Hkv, B, C, D]
     seen = jax.lax.dynamic_index_in_dim(visible, c, axis=2, keepdims=False).transpose(1, 0, 2)  # [Q, B, C]
 
     def one_query(args):  # q [B, Hkv, G, D], seen [B, C], running state [B, Hkv, G(, D)]
       q_i, seen_i, peak, denom, acc = args
-      logits = jnp.einsum('bkgd,kbsd->bkgs', q_i, k, preferred_element_type=jnp.float32)
+      logits = jnp.einsum('bkgd,kbds->bkgs', q_i, k_t, preferred_element_type=jnp.float32)
       if logit_softcap is not None:
         logits = logit_softcap * jnp.tanh(logits / logit_softcap)
       logits = jnp.where(seen_i[:, None, None], logits, MASK_VALUE)
