@@ -8,8 +8,8 @@ One `Scheduler` per arm with as many slots as the largest concurrency, compiled 
 `ar` (no drafter), and prompt lookup under a depth policy: `ngram` (fixed at `--ngram-k`), `load` (mistral.rs's
 rule: `--ngram-k` up to 8 live requests, 3 above), `load-off` (`--ngram-k` up to `--load-threshold` live, plain
 decode steps above: `Load(reduced=0)`) and `tuner` (learns online over depths 0 (off), 2 and `--ngram-k`). At each concurrency C, C client threads each
-submit their next request when the last one finished (closed loop) until `--requests` (default 2C, at least 8)
-are done; one untimed pass first, then the timed one. Prompts are Spec-Bench first turns, category-balanced
+submit their next request when the last one finished (closed loop) until `--requests` (default 2C, at least one
+per prompt, as serve_load.py's passes) are done; one untimed pass first, then the timed one. Prompts are Spec-Bench first turns, category-balanced
 (as benchmarks/serve_load.py picks them) for a real model; for `-m random` (Gemma 3 270M's shapes with random
 weights, a device without the demo package) 64 random token ids each, and every request runs its full
 `--max-tokens` (`ignore_eos`). Set against serve_load.py's figures for the same arm, the gap is what HTTP,
@@ -131,7 +131,7 @@ def run_arm(model, arm: str, name: str, prompts, ignore_eos: bool, args) -> dict
   rows = []
   with scheduler:
     for c in args.concurrency:
-      n = args.requests or max(2 * c, 8)
+      n = args.requests or max(2 * c, len(prompts))
       rows.append(level(scheduler, prompts, c, n, args.max_tokens, ignore_eos))
       r = rows[-1]
       print(
@@ -147,7 +147,9 @@ def main(argv=None) -> int:
   p.add_argument('-m', '--model', default='gemma-3-270m', help="anything `load` takes, or 'random' (270M's shapes)")
   p.add_argument('--arms', nargs='+', choices=['ar', 'ngram', 'load', 'load-off', 'tuner'], default=['ar', 'ngram'])
   p.add_argument('--concurrency', type=int, nargs='+', default=[1, 4, 16, 64])
-  p.add_argument('--requests', type=int, default=None, help='requests per timed pass (default 2C, at least 8)')
+  p.add_argument(
+      '--requests', type=int, default=None, help='requests per timed pass (default 2C, at least one per prompt)'
+  )
   p.add_argument('--prompts', type=int, default=16)
   p.add_argument('--max-tokens', type=int, default=64)
   p.add_argument('--ngram-k', type=int, default=4)
