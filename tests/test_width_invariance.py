@@ -78,6 +78,19 @@ def test_rms_norm_rows_are_width_invariant():
     np.testing.assert_array_equal(np.asarray(norm(x[1:, t : t + 1]))[0, 0], full[1, t])
 
 
+@pytest.mark.parametrize('width', [1, 5, 128, 640, 1001])
+def test_tree_sum_rows_are_width_invariant(width):
+  """`tree_sum` of a row has the same bits alone and among other rows, and is the row's sum."""
+  from pallas_kernels.reductions import tree_sum
+
+  x = np.random.default_rng(width).normal(size=(7, width)).astype(np.float32)
+  full = np.asarray(jax.jit(tree_sum)(x))
+  assert full.shape == (7, 1)
+  np.testing.assert_allclose(full[:, 0], x.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-4)
+  for r in range(7):
+    np.testing.assert_array_equal(np.asarray(jax.jit(tree_sum)(x[r : r + 1]))[0], full[r])
+
+
 @pytest.mark.slow
 def test_real_model_verify_equals_decode_bit_for_bit():
   import conftest
@@ -139,16 +152,3 @@ def main() -> None:
 
 if __name__ == '__main__':
   main()
-
-
-@pytest.mark.parametrize('width', [1, 5, 128, 640, 1001])
-def test_tree_sum_rows_are_width_invariant(width):
-  """`tree_sum` of a row has the same bits alone and among other rows, and is the row's sum."""
-  from pallas_kernels.reductions import tree_sum
-
-  x = np.random.default_rng(width).normal(size=(7, width)).astype(np.float32)
-  full = np.asarray(jax.jit(tree_sum)(x))
-  assert full.shape == (7, 1)
-  np.testing.assert_allclose(full[:, 0], x.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-4)
-  for r in range(7):
-    np.testing.assert_array_equal(np.asarray(jax.jit(tree_sum)(x[r : r + 1]))[0], full[r])

@@ -83,7 +83,7 @@ def _pages_to_gather(
     page_size: int,
     n_q: int,
     sliding_window: int | None,
-    per_chunk: int = 1,
+    per_chunk: int,
 ) -> tuple[jax.Array, jax.Array]:
   """Returns page ids [B, Nc * per_chunk] (whole chunks of `per_chunk` pages, at multiples of a chunk from the
   table's start) and the first gathered page's index [B]. Columns past the table read page 0 (masked by length)."""
