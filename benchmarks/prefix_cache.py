@@ -9,8 +9,9 @@ run alternately:
     + 1 times one after another; the first fills the cache, the median TTFT of the rest is reported;
   * chat: `--turns` turns, each prompt the last prompt, its answer and the next Spec-Bench question, each turn
     sent when the last answer is in; prompt tokens prefilled (the prompt's less the cached ones) and wall time.
-  * hybrid: the same TTFT for `--hybrid` (default: the tiny Qwen3.5, Gated DeltaNet + attention), whose rows
-    restore a snapshot of their recurrent state (`--only-hybrid`: this part alone).
+  * hybrid: the same TTFT and chat for `--hybrid` (default: the tiny Qwen3.5, Gated DeltaNet + attention), whose
+    rows restore a snapshot of their recurrent state: a prompt's, or (the chat's next turns) the one a leaving row
+    took after its answer (`--only-hybrid`: this part alone).
 Outputs are checked equal between the two.
 """
 
@@ -95,23 +96,35 @@ def long_prompt(model, questions: list[str], n: int) -> list[int]:
 
 
 def hybrid_ttft(model, questions: list[str], args) -> dict:
-  """TTFT of the repeated prompt on a hybrid target, the cache off and on (recurrent-state snapshots)."""
+  """TTFT of the repeated prompt and the chat on a hybrid target, the cache off and on (recurrent-state
+  snapshots)."""
   prompt = long_prompt(model, questions, args.prompt_tokens)
   engine = specjax.Engine(model, max_seq_len=args.prompt_tokens + args.max_tokens + 64)
-  schedulers = {
-      name: Scheduler(engine, max_slots=1, max_seq_len=engine.max_seq_len, prefix_cache=on)
-      for name, on in (('off', False), ('on', True))
-  }
+  cap = args.prompt_tokens + args.turns * (args.max_tokens + 256) + 64  # as the dense chat's
+  chat_engine = specjax.Engine(model, max_seq_len=min(cap, 4096))
+  schedulers, chat_schedulers = (
+      {
+          name: Scheduler(e, max_slots=1, max_seq_len=e.max_seq_len, prefix_cache=on)
+          for name, on in (('off', False), ('on', True))
+      }
+      for e in (engine, chat_engine)
+  )
   compile_s = {name: s.warmup() for name, s in schedulers.items()}
-  for s in schedulers.values():
+  compile_s |= {f'chat_{name}': s.warmup() for name, s in chat_schedulers.items()}
+  for s in [*schedulers.values(), *chat_schedulers.values()]:
     s.start()
   try:
     runs = {name: ttft(s, prompt, args.repeats, args.max_tokens) for name, s in schedulers.items()}
+    chats = {
+        name: chat(s, model.tokenizer, questions[: args.turns + 1], args.max_tokens)
+        for name, s in chat_schedulers.items()
+    }
     metrics = schedulers['on'].metrics()
   finally:
-    for s in schedulers.values():
+    for s in [*schedulers.values(), *chat_schedulers.values()]:
       s.stop()
   assert runs['on'][1] == runs['off'][1], 'hybrid outputs differ with the cache'
+  assert chats['on']['outputs'] == chats['off']['outputs'], 'hybrid chat outputs differ with the cache'
   res = {
       name: {'first_s': t[0], 'repeat_s': t[1:], 'median_repeat_s': statistics.median(t[1:])}
       for name, (t, _) in runs.items()
@@ -122,7 +135,14 @@ def hybrid_ttft(model, questions: list[str], args) -> dict:
       f'the cache, {t_on * 1e3:.1f} ms with it ({t_off / t_on:.1f}x lower); first (cold) {res["off"]["first_s"] * 1e3:.1f} '
       f'vs {res["on"]["first_s"] * 1e3:.1f} ms; {metrics["prefix_snapshots"]} snapshots, {metrics["prefix_restored"]} restored'
   )
-  return {'ttft': res, 'compile_s': compile_s, 'metrics_on': metrics}
+  c_off, c_on = chats['off'], chats['on']
+  print(
+      f'hybrid {args.turns}-turn chat: {c_off["prefilled"]} prompt tokens prefilled without the cache, '
+      f'{c_on["prefilled"]} with it ({c_off["prefilled"] / max(c_on["prefilled"], 1):.1f}x fewer); '
+      f'wall {c_off["wall_s"]:.2f} s vs {c_on["wall_s"]:.2f} s'
+  )
+  chat_out = {name: {k: v for k, v in c.items() if k != 'outputs'} for name, c in chats.items()}
+  return {'ttft': res, 'chat': chat_out, 'compile_s': compile_s, 'metrics_on': metrics}
 
 
 def dense(args, questions: list[str]) -> dict:

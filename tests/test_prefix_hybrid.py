@@ -90,9 +90,10 @@ def test_starting_past_pages_without_their_state_is_caught(hybrid, monkeypatch):
 # -- copy-on-write (dense target)
 
 
-def chat(engine, prompts_after, prefix_cache=True):
-  """A prompt, then prompts continuing it (its answer, more text): returns (results, metrics, index pages)."""
-  with Scheduler(engine, max_slots=2, max_seq_len=160, num_draft=0, prefix_cache=prefix_cache) as s:
+def chat(engine, prompts_after, prefix_cache=True, num_draft=0):
+  """A prompt, then prompts continuing it (its answer, more text): returns (results, metrics, whether the cached
+  pages kept their bytes)."""
+  with Scheduler(engine, max_slots=2, max_seq_len=160, num_draft=num_draft, prefix_cache=prefix_cache) as s:
     first = served(s, [Request(prompts_after[0], MAX_NEW)])[0]
     cached = {p: np.asarray(s.state.cache.k_pages[0][:, p]) for p in s.prefix._key_of} if prefix_cache else {}
     rest = served(s, [Request(p(first.tokens), MAX_NEW) for p in prompts_after[1:]])
@@ -140,6 +141,52 @@ def test_a_page_shared_without_its_copy_is_caught(monkeypatch):
   assert metrics['prefix_copied_pages'] == 2 and [r.tokens for r in got] != [r.tokens for r in want]
 
 
+# -- a hybrid chat's next turn: the leaver's state snapshotted where its committed positions end
+
+
+def hybrid_chat_case(offset):
+  """The tiny Qwen3.5 hybrid, a prompt ending `offset` tokens into a page, and its next turn (the prompt, the
+  answer, more text). The leaver holds len(prompt) + MAX_NEW - 1 positions (its last token was never fed)."""
+  target = specjax.load(f'{FIXTURES}/tiny_qwen3_5')
+  tok = target.tokenizer
+  first = tok.encode(SYSTEM + QUESTIONS[1])
+  first = first[: len(first) // PAGE * PAGE + offset]
+  return target, [first, lambda out: first + out + tok.encode(' Go on.')]
+
+
+@pytest.mark.parametrize('kind', [None, 'ngram'])
+@pytest.mark.parametrize('offset', [2, 1])  # the leaver's positions end inside a page (copied), on a page boundary
+def test_a_hybrid_chats_next_turn_starts_past_the_answer(kind, offset):
+  """A leaving hybrid row's recurrent state is snapshotted where its positions end (on its partly filled last
+  page, or its last full page): the next turn restores it, copies that page, prefills only its new tokens, and
+  gives the tokens of the cache off; the cached pages keep their bytes."""
+  target, after = hybrid_chat_case(offset)
+  engine = specjax.Engine(target, page_size=PAGE, drafter=make_drafter(kind, target) if kind else None, max_draft=3)
+  off, _, _ = chat(engine, after, prefix_cache=False, num_draft=3 if kind else 0)
+  on, metrics, kept = chat(engine, after, num_draft=3 if kind else 0)
+  assert [r.tokens for r in on] == [r.tokens for r in off]
+  assert len(on[0].tokens) == MAX_NEW  # no early EOS: the leaver's positions end where the case says
+  history = len(after[0]) + MAX_NEW - 1
+  assert metrics['prefix_hit_tokens'] == history and metrics['prefix_restored'] == 1, metrics
+  assert metrics['prefix_copied_pages'] == (history % PAGE > 0) and kept, metrics
+  assert metrics['free_pages'] == metrics['total_pages']
+
+
+def test_a_leavers_state_not_snapshotted_is_caught(monkeypatch):
+  """Power check: attaching the pool slot without copying the leaver's state into it (the next turn restores
+  whatever the slot held) changes the outputs."""
+  target, after = hybrid_chat_case(2)
+  want, _, _ = chat(specjax.Engine(target, page_size=PAGE), after, prefix_cache=False)
+
+  def attach_only(self, job, key):
+    slot = self.prefix.new_snapshot()
+    assert self.prefix.attach(key, slot)
+
+  monkeypatch.setattr(Scheduler, '_leave_snapshot', attach_only)
+  got, metrics, _ = chat(specjax.Engine(target, page_size=PAGE), after)
+  assert metrics['prefix_restored'] == 1 and [r.tokens for r in got] != [r.tokens for r in want]
+
+
 # -- the refcount model, with snapshots and partly filled pages
 
 
@@ -148,18 +195,27 @@ def test_a_page_shared_without_its_copy_is_caught(monkeypatch):
 def test_random_joins_leaves_and_evictions_keep_snapshots_sound(ops):
   """The hybrid scheduler's bookkeeping against a model: a join matches only up to a snapshot and takes new
   snapshots at page boundaries it prefills (held by it until its pages join the index); a leaver caches its
-  pages, attaches its snapshots (or frees them) and caches its partly filled last page; evictions free their
+  pages, attaches its snapshots (or frees them), caches its partly filled last page and may snapshot its state
+  there (or on its last full page), which a later join copies past; evictions free their
   snapshots. Each pool slot is in one place only (free, attached, or one live request's), references match the
   live requests, a held page's ancestors are held, and partly filled pages are never held."""
   ps, pool, num_snaps = 2, 24, 5
   index, alloc = PrefixIndex(page_size=ps, identity='m', snapshot_slots=num_snaps), PageAllocator(pool, ps)
   live: dict[int, tuple[list[int], list[int], dict[int, int]]] = {}  # seq -> (tokens, pages, pending snapshots)
+  left: list[list[int]] = []  # leavers' tokens: a join may continue one (a chat's next turn)
   for n, (op, seed) in enumerate(ops):
     rng = random.Random(seed)
     if op == 'join':
       tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+      if left and rng.random() < 0.5:
+        tokens = rng.choice(left) + tokens[:4]
       hit = index.match(tokens, (len(tokens) - 1) // ps, snapshots=True)
       assert not hit or index.snapshot(hit[-1][0]) >= 0
+      full = index.match(tokens, (len(tokens) - 1) // ps)
+      cow = index.partial(tokens, full, len(tokens) - 1 - len(full) * ps, snapshots=True)
+      if cow[2]:  # a partly filled page with a snapshot after all its positions: copied, the row starts past it
+        assert index.snapshot(cow[0]) >= 0 and cow[2] == index._by_key[cow[0]].valid
+        hit = full
       need = alloc.pages_for(len(tokens)) - len(hit)
       index.acquire([k for k, _ in hit])
       if need > alloc.free_pages:
@@ -177,6 +233,7 @@ def test_random_joins_leaves_and_evictions_keep_snapshots_sound(ops):
     elif op == 'leave' and live:
       seq = rng.choice(sorted(live))
       tokens, pages, snaps = live.pop(seq)
+      left.append(tokens)
       alloc.drop(seq)
       parent, parent_page = index.root, None
       full = index.full_pages(len(tokens))
@@ -188,8 +245,12 @@ def test_random_joins_leaves_and_evictions_keep_snapshots_sound(ops):
       for boundary, slot in snaps.items():
         if not index.attach(keys[boundary - 1], slot):
           index.free_snapshot(slot)
+      last = keys[-1] if keys else None  # the leaver's state after its positions: on its last page, sometimes
       if len(tokens) % ps and full < len(pages):
-        index.insert_partial(parent, pages[full], parent_page, tokens[full * ps :], len(tokens) % ps)
+        last = index.insert_partial(parent, pages[full], parent_page, tokens[full * ps :], len(tokens) % ps)
+      if last is not None and rng.random() < 0.5 and (slot := index.new_snapshot()) >= 0:
+        if not index.attach(last, slot):
+          index.free_snapshot(slot)
       for page in [p for p in pages if index.holds(p)]:
         index.release(page)
       alloc.give([p for p in pages if not index.holds(p)])

@@ -24,11 +24,13 @@ page of its own: the copy's first positions are its prefix, the rest it
 overwrites. A partly filled page is never held, only copied.
 
 Hybrid targets: an entry may carry a snapshot of the recurrent state after its
-page (a slot of a device pool the scheduler owns, `snapshot_slots` of them). A
-hybrid row starts only where its match ends on a snapshot (`match(...,
-snapshots=True)`). A snapshot is read once, at admission, so none is ever held:
-when the pool is full the least recently used entry's snapshot is dropped, and
-an evicted entry frees its own.
+page, or after a partly filled page's held positions (a slot of a device pool
+the scheduler owns, `snapshot_slots` of them). A hybrid row starts only where
+its match ends on a snapshot: a full page's (`match(..., snapshots=True)`), or
+a partly filled page's whose every held position it repeats (`partial(...,
+snapshots=True)`: a chat's next turn, past the last answer). A snapshot is read
+once, at admission, so none is ever held: when the pool is full the least
+recently used entry's snapshot is dropped, and an evicted entry frees its own.
 """
 
 from __future__ import annotations
@@ -99,9 +101,14 @@ class PrefixIndex:
       out.pop()
     return out
 
-  def partial(self, tokens: Sequence[int], hit: Sequence[tuple[bytes, int]], limit: int) -> tuple[bytes, int, int]:
+  def partial(
+      self, tokens: Sequence[int], hit: Sequence[tuple[bytes, int]], limit: int, snapshots: bool = False
+  ) -> tuple[bytes, int, int]:
     """(key, page, n): the cached page after `hit` whose first n positions `tokens` repeats, n <= `limit`, the
-    longest (n = 0: none). The caller copies the page (copy-on-write): it is never shared as it is."""
+    longest (n = 0: none). The caller copies the page (copy-on-write): it is never shared as it is.
+
+    `snapshots=True` (hybrid targets): only a page with a snapshot, all of whose held positions `tokens` repeats
+    (the recurrent state exists there alone)."""
     start = len(hit) * self.page_size
     want = np.asarray(tokens[start : start + self.page_size + self.key_lag], np.int32)
     best = (b'', 0, 0)
@@ -110,6 +117,8 @@ class PrefixIndex:
       m = min(len(want), len(entry.tokens))
       same = int(np.argmin(np.append(want[:m] == entry.tokens[:m], False)))  # common prefix
       n = min(same - self.key_lag, entry.valid, limit)
+      if snapshots and (entry.snap < 0 or n < entry.valid):
+        continue
       if n > best[2]:
         best = (key, entry.page, n)
     return best
@@ -162,12 +171,14 @@ class PrefixIndex:
       self._kids.setdefault(parent, set()).add(key)
     return True
 
-  def insert_partial(self, parent: bytes, page: int, parent_page: int | None, tokens, valid: int) -> bool:
+  def insert_partial(self, parent: bytes, page: int, parent_page: int | None, tokens, valid: int) -> bytes | None:
     """Caches a partly filled last page (`valid` positions held; `tokens` from the page's start, the key lag's
-    included) with its writer's one reference; it is only ever copied, never held."""
+    included) with its writer's one reference; it is only ever copied, never held. Returns its key (None: not
+    cached)."""
     tokens = np.asarray(tokens, np.int32)
     key = hashlib.sha256(parent + b'|partial|' + tokens.tobytes() + bytes([valid % 256])).digest()
-    return 0 < valid < self.page_size and self.insert(key, parent, page, parent_page, tokens, valid)
+    cached = 0 < valid < self.page_size and self.insert(key, parent, page, parent_page, tokens, valid)
+    return key if cached else None
 
   # -- recurrent-state snapshots
 
@@ -186,10 +197,10 @@ class PrefixIndex:
     return self._free_snaps.pop()
 
   def attach(self, key: bytes, slot: int) -> bool:
-    """Gives `key`'s entry the snapshot in `slot`; False (the caller frees the slot) when it is not cached or has
-    one."""
+    """Gives `key`'s entry (a full page, or a partly filled one: the state after its held positions) the snapshot
+    in `slot`; False (the caller frees the slot) when it is not cached or has one."""
     entry = self._by_key.get(key)
-    if entry is None or entry.snap >= 0 or entry.valid < self.page_size:
+    if entry is None or entry.snap >= 0:
       return False
     entry.snap = slot
     return True

@@ -25,7 +25,7 @@ past its longest cached run of pages (copying a page it shares only the start
 of), or waits for a slot still prefilling more of its prefix, and a request's
 committed pages join the cache; a hybrid target's row
 starts at a snapshot of its recurrent state, taken where a prefill chunk ends
-on a snapshot boundary. The executables are bounded: admit,
+on a snapshot boundary or where a leaving row's committed positions end. The executables are bounded: admit,
 deactivate and table updates once; decode and one spec step per depth, each
 greedy or sampled, per bucket of live rows (1, 2, 4, ..: a step computes only the live slots); prefill
 one row a call, per chunk bucket (`executable_set`; `warmup` compiles them ahead).
@@ -230,6 +230,7 @@ class Scheduler:
     self._phase_s = (0.0, 0.0)  # draft, verify seconds of the last profiled step
     self._deferred = 0  # waiting requests held back for a prefix another slot is prefilling (`_admit`)
     self._in_flight: collections.Counter[bytes] = collections.Counter()  # page keys prefilling slots will cache
+    self._leave_snaps: list[tuple[int, int]] = []  # (slot, pool slot): leaving hybrid rows' states to snapshot
     self.state = self._initial_state()
     self.fresh = self._initial_state(num_pages=2)  # one empty row, repeated; its pools are never read
     self.snapshots = None  # hybrid targets: the snapshot pool (`slots.snapshot_pool`)
@@ -550,6 +551,9 @@ class Scheduler:
       if job.slot >= 0:
         self._release(job, self.allocator.drop(job.slot))
         self.slots[job.slot] = None
+    if self._leave_snaps:  # before the slot is reused
+      self._take_snapshots(*zip(*self._leave_snaps))
+      self._leave_snaps = []
     if job.slot >= 0:
       self.tables[job.slot] = NULL_PAGE
       self._tables_dirty = True
@@ -576,8 +580,9 @@ class Scheduler:
 
   def _register(self, job: _Job, filled: int, leaving: bool = False) -> None:
     """Caches the job's pages that lie wholly below `filled` committed positions (less the drafter's trail), and
-    the snapshots taken at their ends; a leaving job's partly filled last page too (dense targets: it is copied
-    on write)."""
+    the snapshots taken at their ends; a leaving job's partly filled last page too (it is copied on write). A
+    leaving hybrid row (no drafter cache: no trail) snapshots its state, which is the state after exactly
+    `filled` positions, on the page where they end (`_leave_snapshot`)."""
     seq = list(job.request.prompt) + job.generated
     filled = filled if job.drafter_upto < 0 else min(filled, job.drafter_upto)  # pages whose drafter entries exist
     held = int((self.tables[job.slot] != NULL_PAGE).sum())
@@ -606,9 +611,31 @@ class Scheduler:
       if not self.prefix.attach(keys[pages - 1], slot):
         self.prefix.free_snapshot(slot)
     valid = min(done, len(seq) - lag) - n * ps
-    if leaving and self.snapshots is None and 0 < valid < ps and n < held:
+    hybrid = self.snapshots is not None
+    if not leaving or (hybrid and (self.prefix_trail or n * ps + valid != filled)):
+      return
+    if 0 < valid < ps and n < held:
       page = int(self.tables[job.slot, n])
-      self.prefix.insert_partial(parent, page, parent_page, seq[n * ps : n * ps + valid + lag], valid)
+      key = self.prefix.insert_partial(parent, page, parent_page, seq[n * ps : n * ps + valid + lag], valid)
+      if hybrid and key is not None:
+        self._leave_snapshot(job, key)
+    elif hybrid and n and not valid and self.prefix.snapshot(keys[-1]) < 0:
+      self._leave_snapshot(job, keys[-1])
+
+  def _leave_snapshot(self, job: _Job, key: bytes) -> None:
+    """Attaches a snapshot of a leaving hybrid row's state to `key`'s entry (the device copy runs before the slot
+    is reused): a chat's next turn restores it and prefills only its new tokens."""
+    slot = self.prefix.new_snapshot()
+    if slot >= 0 and self.prefix.attach(key, slot):
+      self._leave_snaps.append((job.slot, slot))
+    elif slot >= 0:
+      self.prefix.free_snapshot(slot)
+
+  def _take_snapshots(self, rows: Sequence[int], dst: Sequence[int]) -> None:
+    """Copies the recurrent state of slots `rows` into pool slots `dst` (one call)."""
+    rows_, dst_ = np.full(self.max_slots, self.max_slots, np.int32), np.full(self.max_slots, -1, np.int32)
+    rows_[: len(rows)], dst_[: len(dst)] = rows, dst
+    self.snapshots = self._call('snapshot', slots.take_snapshots, (self.snapshots, self.state, rows_, dst_))
 
   def _finish(self, job: _Job, reason: str, tokens=(), logprobs=(), deactivate: bool = True) -> None:
     text = job.text[job.sent :]
@@ -651,9 +678,12 @@ class Scheduler:
       if busy and self.pages_for(len(todo) + self.lookahead) - len(hit) + busy > self._free_pages():
         self.waiting.appendleft(job)
         break  # wait for pages: its prompt, and a page of growth for each busy slot (else it would be preempted)
-      cow = (b'', 0, 0)  # a cached page it shares the start of (dense targets), copied into a page of its own
-      if self.prefix and not hybrid and self.allocator.free_pages:
-        cow = self.prefix.partial(todo, hit, len(todo) - 1 - len(hit) * self.page_size)
+      cow = (b'', 0, 0)  # a cached page it shares the start of, copied into a page of its own
+      if self.prefix and self.allocator.free_pages:
+        # Hybrids: only a page with a snapshot after all it holds (a leaver's), past full pages of any snapshot.
+        full = self.prefix.match(todo, (len(todo) - 1) // self.page_size) if hybrid else hit
+        cow = self.prefix.partial(todo, full, len(todo) - 1 - len(full) * self.page_size, hybrid)
+        hit = full if cow[2] else hit
       slot = free.pop(0)
       if job.order == 0:  # first admission: its place in line, kept across preemptions
         self._order += 1
@@ -671,13 +701,13 @@ class Scheduler:
           self.counters['prefix_lookup_tokens'] += len(todo)
           self.counters['prefix_hit_tokens'] += job.prefilled
           self.counters['prefix_copied_pages'] += bool(cow[2])
-          self.counters['prefix_restored'] += bool(hit and hybrid)
+          self.counters['prefix_restored'] += bool((hit or cow[2]) and hybrid)
         self.slots[slot] = job
       if pages:
         self.tables[slot, : len(pages)] = pages
         self._tables_dirty = True
       copies.append((cow[1], pages[-1]) if cow[2] else (NULL_PAGE, NULL_PAGE))
-      restore.append(self.prefix.snapshot(hit[-1][0]) if hit and hybrid else -1)
+      restore.append(self.prefix.snapshot(cow[0] if cow[2] else hit[-1][0]) if (hit or cow[2]) and hybrid else -1)
       joined.append(job)
     self.waiting.extendleft(reversed(deferred))  # their places in line
     self._deferred = len(deferred)
@@ -823,9 +853,7 @@ class Scheduler:
         with self._lock:
           self._register(job, job.length)
     if snap_rows:  # one call for the round's snapshots
-      rows, dst = np.full(self.max_slots, self.max_slots, np.int32), np.full(self.max_slots, -1, np.int32)
-      rows[: len(snap_rows)], dst[: len(snap_slots)] = snap_rows, snap_slots
-      self.snapshots = self._call('snapshot', slots.take_snapshots, (self.snapshots, self.state, rows, dst))
+      self._take_snapshots(snap_rows, snap_slots)
     self._prefill_batch = batch
     return outs
 
