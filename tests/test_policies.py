@@ -282,12 +282,26 @@ def test_observe_returns_a_new_state():
   for k, acc in [(4, [4, 1]), (2, [0, 2])]:
     before = copy.deepcopy(state)
     new = tuner.observe(state, k, np.array(acc), 1e-3, 2)
-    for field in ('accept', 'accept_n', 'batch_n', 'stale', 'level', 'shape', 'shape_n', 'drafted_steps', 'last_tried'):
+    fields = ('accept', 'accept_n', 'batch_n', 'stale', 'level', 'shape', 'shape_n', 'drafted_steps', 'tried_steps')
+    for field in fields + ('last_tried',):
       np.testing.assert_array_equal(getattr(state, field), getattr(before, field))
     assert state.step == before.step and new.step == state.step + 1
     state = new
   with pytest.raises(SpecjaxError, match='not a candidate'):
     tuner.observe(state, 3, np.array([0]), 1e-3, 1)
+
+
+def test_tuner_warm_up_gives_up_on_a_candidate_that_never_drafts():
+  """A candidate whose steps draft nothing (n-gram with no match) is tried `warmup_tries` steps, not forced for
+  as long as the live count stays in one bucket."""
+  tuner = Tuner((2, 4), warmup_tries=3, explore_every=0)
+  state, runs = tuner.init(), []
+  for _ in range(8):
+    k = tuner.choose(state, 1)
+    runs.append(k)
+    drafted = np.array([k if k == 2 else 0])  # K = 4 never finds a draft
+    state = tuner.observe(state, k, np.minimum(drafted, 1), 1e-3, 1, drafted)
+  assert runs[:4] == [4, 4, 4, 2] and list(state.tried_steps) == [runs.count(2), runs.count(4)], runs
 
 
 def test_tuner_warms_up_deepest_first_then_explores_on_schedule():

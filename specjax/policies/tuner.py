@@ -24,6 +24,7 @@ class TunerState:
   acceptance: AcceptanceState  # per draft position 1 .. D
   cost: CostState  # per live bucket and verified width 1 .. D + 1
   drafted_steps: np.ndarray  # [C] steps with drafts each candidate ran
+  tried_steps: np.ndarray  # [C] steps each candidate ran
   last_tried: np.ndarray  # [L, C] step at which each candidate last ran (-1: never)
 
   accept = _read('acceptance', 'accept')
@@ -118,6 +119,7 @@ class Tuner(Policy):
         acceptance=self.estimator.init(),
         cost=self.cost_model.init(),
         drafted_steps=np.zeros(c, np.int64),
+        tried_steps=np.zeros(c, np.int64),
         last_tried=np.full((LIVE_BUCKETS, c), -1, np.int64),
     )
 
@@ -145,9 +147,8 @@ class Tuner(Policy):
 
   def _forced(self, state: TunerState, live: int) -> int | None:
     """The candidate index a warm-up or exploration step runs, else None."""
-    tries = (state.last_tried >= 0).sum(0)
     off = np.asarray(self.candidates) == 0  # warm after one step: it never drafts
-    warming = np.flatnonzero((state.drafted_steps == 0) & (tries < np.where(off, 1, self.warmup_tries)))
+    warming = np.flatnonzero((state.drafted_steps == 0) & (state.tried_steps < np.where(off, 1, self.warmup_tries)))
     if warming.size:
       return int(warming[-1])
     if self.explore_every and (state.step + 1) % self.explore_every == 0:
@@ -195,7 +196,9 @@ class Tuner(Policy):
     cost = self.cost_model.observe(state.cost, width, step_s, live)
     drafted_steps = state.drafted_steps.copy()
     drafted_steps[i] += bool(drafted.any())
+    tried_steps = state.tried_steps.copy()
+    tried_steps[i] += 1
     last_tried = state.last_tried.copy()
     last_tried[live_bucket(live), i] = state.step
     current = state.current if self._forced(state, live) is not None else i
-    return TunerState(state.step + 1, current, acceptance, cost, drafted_steps, last_tried)
+    return TunerState(state.step + 1, current, acceptance, cost, drafted_steps, tried_steps, last_tried)
