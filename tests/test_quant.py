@@ -17,7 +17,8 @@ from specjax.models.contract import StepInputs
 from specjax.quant import ops
 from specjax.quant.formats import QMatrix, dequantize, quantize
 from specjax.quant.gguf import REPACKED, repack
-from conftest import FIXTURES, TINY, VERIFIER_MUTANTS, assert_target_law, mutated_verifier, perturbed_target
+from conftest import FIXTURES, TINY, VERIFIER_MUTANTS, assert_target_law, cache_step, make_cache, mutated_verifier
+from conftest import perturbed_target
 from test_gguf import random_k_blocks, write_gguf
 from test_scheduler import FAMILIES
 
@@ -243,6 +244,28 @@ def test_every_family_greedy_equals_quantized_autoregressive(case):
   with mutated_verifier('greedy-accepts-all', engine):
     mutant, _ = engine.generate(PROMPTS, max_new_tokens=16, num_draft=3)
   assert [r.tokens for r in mutant] != want, case
+
+
+def test_hybrid_mixer_projections_are_quantized():
+  """Gated DeltaNet's input and output projections are `Weight`s, quantized with the rest (conv, norms and the
+  decay params stay float); the int8 hybrid's logits stay within quantization noise of the float model's."""
+  from flax import nnx
+
+  from specjax.models.layers import Weight
+
+  path = f'{FIXTURES}/tiny_qwen3_5'
+  model, reference = specjax.load(path, quant='int8'), specjax.load(path)
+  flat = {'.'.join(map(str, p)): v for p, v in nnx.to_flat_state(model.params)}
+  mixers = [k for k in flat if k.endswith(('mixer.in_proj', 'mixer.out_proj'))]
+  assert len(mixers) == 2 * model.config.layer_types.count('linear_attention'), sorted(flat)
+  assert all(isinstance(flat[k], Weight) for k in mixers)
+  assert all(isinstance(flat[k][...], QMatrix) for k in mixers) == ops.uses_kernel()
+  assert not any(isinstance(v[...], QMatrix) for k, v in flat.items() if k.endswith(('conv_weight', 'A_log')))
+  tokens = np.asarray([model.tokenizer.encode(PROMPTS[1])], np.int32)
+  lens = np.full((1,), tokens.shape[1], np.int32)
+  quantized, float_ = (cache_step(m)(tokens, make_cache(m, 1, 64), lens)[0] for m in (model, reference))
+  err = float(jnp.abs(quantized - float_).max() / jnp.abs(float_).max())
+  assert 0 < err < 0.1, err
 
 
 def test_sampled_law_holds_under_quantization():

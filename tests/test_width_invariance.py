@@ -3,7 +3,8 @@
 The attention reference and the RMS norm are checked here at the suite's compile flags; the real Gemma 3 270M
 (`--quant auto --quant-act int8`) is checked in a subprocess at the flags a user runs with, where
 XLA:CPU's optimisations (and `specjax.xla_flags`) are in force: its forward at widths 1, 5 and 9, and greedy
-n-gram output against greedy autoregressive output, tokens and log-probabilities bit for bit.
+n-gram output against greedy autoregressive output, tokens and log-probabilities bit for bit; in the same
+subprocess, the tiny Qwen3.5 hybrid at int8 (Gated DeltaNet mixers included) at widths 1, 5 and 9.
 """
 
 import os
@@ -68,11 +69,15 @@ def test_both_attention_paths_agree(window, softcap, tree):
   np.testing.assert_allclose(*ours, rtol=2e-5, atol=2e-5)
 
 
-def test_rms_norm_rows_are_width_invariant():
+@pytest.mark.parametrize('which', ['rms', 'l2'])
+def test_norm_rows_are_width_invariant(which):
+  """The RMS norm (every block) and Gated DeltaNet's l2 norm of q and k (per head, [B, T, H, Dk])."""
+  from specjax.models.gated_deltanet import l2_normalize
   from specjax.models.layers import rms_normalize
 
-  x = np.random.default_rng(1).normal(size=(2, 9, 640)).astype(np.float32) * 30
-  norm = jax.jit(lambda x: rms_normalize(x, 1e-6))
+  shape = (2, 9, 640) if which == 'rms' else (2, 9, 16, 128)
+  x = np.random.default_rng(1).normal(size=shape).astype(np.float32) * 30
+  norm = jax.jit(lambda x: rms_normalize(x, 1e-6) if which == 'rms' else l2_normalize(x))
   full = np.asarray(norm(x))
   for t in range(9):
     np.testing.assert_array_equal(np.asarray(norm(x[1:, t : t + 1]))[0, 0], full[1, t])
@@ -98,10 +103,10 @@ def test_real_model_verify_equals_decode_bit_for_bit():
   env = dict(os.environ, XLA_FLAGS=conftest._FLAGS)  # the flags a user runs with, not the suite's quick compile
   proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=900, env=env)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-  assert proc.stdout.count('bitwise equal') == 2, proc.stdout
+  assert proc.stdout.count('bitwise equal') == 3, proc.stdout
 
 
-def _forward_widths(model, ids: list[int], width: int, rows: int) -> None:
+def _forward_widths(model, ids: list[int], width: int, rows: int, max_len: int = 2048) -> None:
   """Positions n..n+width fed as one chunk == fed one at a time (hidden states, bit for bit)."""
   sys.path.insert(0, os.path.dirname(__file__))
   from conftest import cache_step, make_cache  # pylint: disable=g-import-not-at-top
@@ -109,7 +114,8 @@ def _forward_widths(model, ids: list[int], width: int, rows: int) -> None:
   step, n = cache_step(model), 30
   outs = []
   for chunks in ([n, width], [n] + [1] * width):
-    cache, start, hidden = make_cache(model, rows, 2048, page_size=16), 0, []
+    # Hybrids keep a recurrent state per position of a pass: a slot for each of the `width` one-token steps too.
+    cache, start, hidden = make_cache(model, rows, max_len, page_size=16, num_slots=width + 1), 0, []
     for c in chunks:
       tokens = np.array([ids[start : start + c]] * rows, np.int32)
       _, h, cache = step(tokens, cache, np.full((rows,), c, np.int32))
@@ -126,6 +132,14 @@ def main() -> None:
   from specjax.engine.requests import Request  # pylint: disable=g-import-not-at-top
 
   assert specjax.xla_flags.width_invariant(), os.environ.get('XLA_FLAGS')
+  # A hybrid (Gated DeltaNet + attention, dense MLP), int8 with int8 activations: its mixers' projections run on
+  # the quantized kernel, its l2 and RMS norms are fixed trees, its recurrence is one token a scan step.
+  path = os.path.join(os.path.dirname(__file__), 'fixtures', 'tiny_qwen3_5')
+  hybrid = specjax.load(path, quant='int8', quant_act='int8')
+  text = hybrid.tokenizer.encode('The quick brown fox jumps over the lazy dog. ' * 6)
+  for width, rows in ((5, 1), (9, 3)):
+    _forward_widths(hybrid, text, width, rows, max_len=128)
+  print('hybrid: forward at widths 5 and 9 bitwise equal', flush=True)
   by_category = {}
   for p in bench.load_prompts():
     by_category.setdefault(p.category, p.text)

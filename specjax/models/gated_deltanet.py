@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.reductions import tree_sum
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -30,8 +32,9 @@ def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  """`x * rsqrt(sum(x^2) + eps)` over the last axis."""
-  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+  """`x * rsqrt(sum(x^2) + eps)` over the last axis; the sum is a fixed tree (`tree_sum`), so a row's bits do not
+  depend on how many rows a pass holds (as `layers.rms_normalize`)."""
+  return x * jax.lax.rsqrt(tree_sum(x * x) + eps)
 
 
 def _prepare(q, k, v, g, beta):

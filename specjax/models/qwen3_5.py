@@ -175,12 +175,12 @@ class GatedDeltaNet(nnx.Module):
     self.dims = (nk, nv, dk, dv)
     self.conv_dim = 2 * nk * dk + nv * dv
     # One matrix for q | k | v (the conv channels), z, b, a.
-    self.in_proj = param(rngs, (cfg.hidden_size, self.conv_dim + nv * dv + 2 * nv), dtype)
+    self.in_proj = weight(rngs, (cfg.hidden_size, self.conv_dim + nv * dv + 2 * nv), dtype)
     self.conv_weight = param(rngs, (self.conv_dim, cfg.linear_conv_kernel_dim), dtype)
     self.dt_bias = nnx.Param(jnp.ones((nv,), dtype))
     self.A_log = nnx.Param(jnp.zeros((nv,), dtype))
     self.norm = RMSNorm(dv, eps=cfg.rms_norm_eps, offset=0.0, dtype=dtype)
-    self.out_proj = param(rngs, (nv * dv, cfg.hidden_size), dtype)
+    self.out_proj = weight(rngs, (nv * dv, cfg.hidden_size), dtype)
     self.chunk_size = cfg.chunk_size
 
   def __call__(
@@ -193,7 +193,7 @@ class GatedDeltaNet(nnx.Module):
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, t, _ = x.shape
     nk, nv, dk, dv = self.dims
-    proj = jnp.einsum('btd,de->bte', x, self.in_proj[...])
+    proj = ops.matmul(x, self.in_proj[...])  # [B, T, E]
     mixed, z, beta, a = jnp.split(proj, np.cumsum([self.conv_dim, nv * dv, nv]), axis=-1)
     pick = lambda slots: jnp.take_along_axis(slots, state_slot.reshape((b,) + (1,) * (slots.ndim - 1)), axis=1)[:, 0]
     mixed, windows = gdn.causal_conv1d(mixed, pick(conv), self.conv_weight[...], query_lens)
@@ -213,7 +213,7 @@ class GatedDeltaNet(nnx.Module):
       ssm = ssm.at[:, 0].set(jnp.where((query_lens > 0)[:, None, None, None], final, state))
       conv = conv.at[:, 0].set(jnp.take_along_axis(windows, last, axis=1)[:, 0].astype(conv.dtype))
     out = self.norm(out.astype(x.dtype)) * jax.nn.silu(z.reshape(b, t, nv, dv))
-    return jnp.einsum('bte,ed->btd', out.reshape(b, t, nv * dv), self.out_proj[...]), ssm, conv
+    return ops.matmul(out.reshape(b, t, nv * dv), self.out_proj[...]), ssm, conv
 
 
 def _block(cfg: Qwen35Config, layer_type: str, moe: bool, attention_impl: str, dtype, rngs) -> DecoderBlock:
