@@ -97,9 +97,14 @@ class PrefixIndex:
       if entry is None:
         break
       out.append((key, entry.page))
-    while snapshots and out and self._by_key[out[-1][0]].snap < 0:
-      out.pop()
-    return out
+    return self.upto_snapshot(out) if snapshots else out
+
+  def upto_snapshot(self, hit: Sequence[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+    """The longest start of a match `hit` that ends on a page with a recurrent-state snapshot."""
+    n = len(hit)
+    while n and self._by_key[hit[n - 1][0]].snap < 0:
+      n -= 1
+    return list(hit[:n])
 
   def partial(
       self, tokens: Sequence[int], hit: Sequence[tuple[bytes, int]], limit: int, snapshots: bool = False

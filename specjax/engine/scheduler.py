@@ -671,7 +671,8 @@ class Scheduler:
       todo = list(job.request.prompt) + job.generated
       busy = self.max_slots - len(free)
       hybrid = self.snapshots is not None
-      hit = self.prefix.match(todo, (len(todo) - 1) // self.page_size, hybrid) if self.prefix else []  # >= 1 left
+      full = self.prefix.match(todo, (len(todo) - 1) // self.page_size) if self.prefix else []  # >= 1 left
+      hit = self.prefix.upto_snapshot(full) if hybrid else full  # a hybrid row starts where a state was saved
       if self.prefix and self._prefix_in_flight(todo) > len(hit):
         deferred.append(job)
         continue
@@ -681,7 +682,6 @@ class Scheduler:
       cow = (b'', 0, 0)  # a cached page it shares the start of, copied into a page of its own
       if self.prefix and self.allocator.free_pages:
         # Hybrids: only a page with a snapshot after all it holds (a leaver's), past full pages of any snapshot.
-        full = self.prefix.match(todo, (len(todo) - 1) // self.page_size) if hybrid else hit
         cow = self.prefix.partial(todo, full, len(todo) - 1 - len(full) * self.page_size, hybrid)
         hit = full if cow[2] else hit
       slot = free.pop(0)
