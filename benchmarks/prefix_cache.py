@@ -62,6 +62,24 @@ def chat(scheduler: Scheduler, tokenizer, questions: list[str], max_tokens: int)
   }
 
 
+def both_chats(schedulers: dict[str, Scheduler], tokenizer, questions: list[str], args, label: str = ''):
+  """The chat on the cache-off and cache-on schedulers, outputs checked equal: (each setting's figures, a line)."""
+  chats = {name: chat(s, tokenizer, questions[: args.turns + 1], args.max_tokens) for name, s in schedulers.items()}
+  assert chats['on']['outputs'] == chats['off']['outputs'], f'{label}chat outputs differ with the cache'
+  c_off, c_on = chats['off'], chats['on']
+  line = (
+      f'{label}{args.turns}-turn chat: {c_off["prefilled"]} prompt tokens prefilled without the cache, '
+      f'{c_on["prefilled"]} with it ({c_off["prefilled"] / max(c_on["prefilled"], 1):.1f}x fewer); '
+      f'wall {c_off["wall_s"]:.2f} s vs {c_on["wall_s"]:.2f} s'
+  )
+  return {name: {k: v for k, v in c.items() if k != 'outputs'} for name, c in chats.items()}, line
+
+
+def chat_capacity(args) -> int:
+  """Positions a scheduler needs for the TTFT prompt or the chat's last turn (questions run to ~256 tokens)."""
+  return min(args.prompt_tokens + args.turns * (args.max_tokens + 256) + 64, 4096)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('-m', '--model', default='gemma-3-270m')
@@ -100,8 +118,7 @@ def hybrid_ttft(model, questions: list[str], args) -> dict:
   snapshots)."""
   prompt = long_prompt(model, questions, args.prompt_tokens)
   engine = specjax.Engine(model, max_seq_len=args.prompt_tokens + args.max_tokens + 64)
-  cap = args.prompt_tokens + args.turns * (args.max_tokens + 256) + 64  # as the dense chat's
-  chat_engine = specjax.Engine(model, max_seq_len=min(cap, 4096))
+  chat_engine = specjax.Engine(model, max_seq_len=chat_capacity(args))
   schedulers, chat_schedulers = (
       {
           name: Scheduler(e, max_slots=1, max_seq_len=e.max_seq_len, prefix_cache=on)
@@ -115,16 +132,12 @@ def hybrid_ttft(model, questions: list[str], args) -> dict:
     s.start()
   try:
     runs = {name: ttft(s, prompt, args.repeats, args.max_tokens) for name, s in schedulers.items()}
-    chats = {
-        name: chat(s, model.tokenizer, questions[: args.turns + 1], args.max_tokens)
-        for name, s in chat_schedulers.items()
-    }
+    chats, chat_line = both_chats(chat_schedulers, model.tokenizer, questions, args, 'hybrid ')
     metrics = schedulers['on'].metrics()
   finally:
     for s in [*schedulers.values(), *chat_schedulers.values()]:
       s.stop()
   assert runs['on'][1] == runs['off'][1], 'hybrid outputs differ with the cache'
-  assert chats['on']['outputs'] == chats['off']['outputs'], 'hybrid chat outputs differ with the cache'
   res = {
       name: {'first_s': t[0], 'repeat_s': t[1:], 'median_repeat_s': statistics.median(t[1:])}
       for name, (t, _) in runs.items()
@@ -135,23 +148,16 @@ def hybrid_ttft(model, questions: list[str], args) -> dict:
       f'the cache, {t_on * 1e3:.1f} ms with it ({t_off / t_on:.1f}x lower); first (cold) {res["off"]["first_s"] * 1e3:.1f} '
       f'vs {res["on"]["first_s"] * 1e3:.1f} ms; {metrics["prefix_snapshots"]} snapshots, {metrics["prefix_restored"]} restored'
   )
-  c_off, c_on = chats['off'], chats['on']
-  print(
-      f'hybrid {args.turns}-turn chat: {c_off["prefilled"]} prompt tokens prefilled without the cache, '
-      f'{c_on["prefilled"]} with it ({c_off["prefilled"] / max(c_on["prefilled"], 1):.1f}x fewer); '
-      f'wall {c_off["wall_s"]:.2f} s vs {c_on["wall_s"]:.2f} s'
-  )
-  chat_out = {name: {k: v for k, v in c.items() if k != 'outputs'} for name, c in chats.items()}
-  return {'ttft': res, 'chat': chat_out, 'compile_s': compile_s, 'metrics_on': metrics}
+  print(chat_line)
+  return {'ttft': res, 'chat': chats, 'compile_s': compile_s, 'metrics_on': metrics}
 
 
 def dense(args, questions: list[str]) -> dict:
   model = specjax.load(args.model)
   prompt = long_prompt(model, questions, args.prompt_tokens)
   engine = specjax.Engine(model, max_seq_len=4096)
-  cap = args.prompt_tokens + args.turns * (args.max_tokens + 256) + 64
   schedulers = {
-      name: Scheduler(engine, max_slots=1, max_seq_len=min(cap, 4096), prefix_cache=on)
+      name: Scheduler(engine, max_slots=1, max_seq_len=chat_capacity(args), prefix_cache=on)
       for name, on in (('off', False), ('on', True))
   }
   out = {'compile_s': {}}
@@ -165,26 +171,17 @@ def dense(args, questions: list[str]) -> dict:
         name: {'first_s': t[0], 'repeat_s': t[1:], 'median_repeat_s': statistics.median(t[1:])}
         for name, (t, _) in runs.items()
     }
-    chats = {
-        name: chat(s, model.tokenizer, questions[: args.turns + 1], args.max_tokens) for name, s in schedulers.items()
-    }
-    assert chats['on']['outputs'] == chats['off']['outputs'], 'chat outputs differ with the cache'
-    out['chat'] = {name: {k: v for k, v in c.items() if k != 'outputs'} for name, c in chats.items()}
+    out['chat'], chat_line = both_chats(schedulers, model.tokenizer, questions, args)
     out['metrics_on'] = schedulers['on'].metrics()
   finally:
     for s in schedulers.values():
       s.stop()
   t_off, t_on = out['ttft']['off']['median_repeat_s'], out['ttft']['on']['median_repeat_s']
-  c_off, c_on = out['chat']['off'], out['chat']['on']
   print(
       f'TTFT of a repeated {args.prompt_tokens}-token prompt: {t_off * 1e3:.0f} ms without the cache, '
       f'{t_on * 1e3:.0f} ms with it ({t_off / t_on:.1f}x lower)'
   )
-  print(
-      f'{args.turns}-turn chat: {c_off["prefilled"]} prompt tokens prefilled without the cache, '
-      f'{c_on["prefilled"]} with it ({c_off["prefilled"] / max(c_on["prefilled"], 1):.1f}x fewer); '
-      f'wall {c_off["wall_s"]:.1f} s vs {c_on["wall_s"]:.1f} s'
-  )
+  print(chat_line)
   return out
 
 
