@@ -369,8 +369,9 @@ def test_wrapper_without_text_config(tmp_path):
 # ---------------------------------------------------------------- GGUF (llama.cpp's `gemma4`)
 
 
-def write_gemma4_gguf(src, path, drop=()):
-  """Converts an HF directory as llama.cpp's `Gemma4Model` does (`conversion/gemma.py`), all tensors float32."""
+def write_gemma4_gguf(src, path, drop=(), qtypes=None):
+  """Converts an HF directory as llama.cpp's `Gemma4Model` does (`conversion/gemma.py`): tensors float32, or
+  quantized to `qtypes[kind]` (kind: the GGUF name without its block, e.g. 'ffn_gate_up_exps.weight')."""
   import gguf
 
   hp = json.loads((src / 'config.json').read_text())
@@ -435,8 +436,13 @@ def write_gemma4_gguf(src, path, drop=()):
     else:
       suffix = '' if name.endswith('.weight') else '.weight'  # filter_tensors: layer_scalar, experts.*
       gguf_name = names.get_name(name + suffix, try_suffixes=('.weight',))
-    if gguf_name.rsplit('.', 1)[0] not in drop:
+    qtype = (qtypes or {}).get(gguf_name.split('.', 2)[-1])
+    if gguf_name.rsplit('.', 1)[0] in drop:
+      continue
+    if qtype is None:
       w.add_tensor(gguf_name, values.astype(np.float32))
+    else:
+      w.add_tensor(gguf_name, gguf.quants.quantize(values.astype(np.float32), qtype), raw_dtype=qtype)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
@@ -464,6 +470,30 @@ def test_gguf_equals_hf(tmp_path, name):
     ids = hf.tokenizer.encode(text)
     assert model.tokenizer.encode(text) == ids, text
     assert model.tokenizer.decode(ids, skip_special_tokens=False) == hf.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_gguf_quantized_experts_stay_quantized(tmp_path):
+  """`--quant auto` keeps a GGUF file's stacked expert blocks (Q8_0 here) as one QMatrix of E matrices, not float;
+  its logits equal those of the same file dequantized at load."""
+  import gguf
+
+  from specjax.quant import ops
+  from specjax.quant.formats import QMatrix
+
+  write_gemma4_gguf(
+      pathlib.Path(FIXTURES) / 'tiny_gemma4_moe',
+      tmp_path / 'm.gguf',
+      qtypes={'ffn_gate_up_exps.weight': gguf.GGMLQuantizationType.Q8_0},
+  )
+  kept, dense = (specjax.load(str(tmp_path / 'm.gguf'), quant=q) for q in ('auto', None))
+  flat = {'.'.join(map(str, p)): v[...] for p, v in nnx.to_flat_state(kept.params)}
+  gate_up = flat['layers.0.moe.gate_up']
+  if ops.uses_kernel():
+    assert isinstance(gate_up, QMatrix) and gate_up.kind == 'Q8_0' and gate_up.values.shape == (4, 32, 32)
+  assert 'Q8_0' in kept.quant
+  ids = np.asarray([kept.tokenizer.encode('The quick brown fox')], np.int32)
+  got, want = (np.asarray(dense_logits(m, ids)) for m in (kept, dense))
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
 def test_gguf_without_layer_scale_and_errors(tmp_path):

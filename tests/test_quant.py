@@ -16,6 +16,7 @@ from specjax.loading import gguf as gguf_loader
 from specjax.models.contract import StepInputs
 from specjax.quant import ops
 from specjax.quant.formats import QMatrix, dequantize, quantize
+from specjax.quant.params import dequantize_params
 from specjax.quant.gguf import REPACKED, repack
 from conftest import FIXTURES, TINY, VERIFIER_MUTANTS, assert_target_law, cache_step, make_cache, mutated_verifier
 from conftest import perturbed_target
@@ -266,6 +267,49 @@ def test_hybrid_mixer_projections_are_quantized():
   quantized, float_ = (cache_step(m)(tokens, make_cache(m, 1, 64), lens)[0] for m in (model, reference))
   err = float(jnp.abs(quantized - float_).max() / jnp.abs(float_).max())
   assert 0 < err < 0.1, err
+
+
+@pytest.mark.parametrize('name', ['tiny_qwen3_5_moe', 'tiny_qwen3_next', 'tiny_gemma4_moe'])
+def test_moe_experts_are_quantized(name):
+  """Routed experts quantize matrix by matrix into one stacked QMatrix (int8: a byte a weight);
+  routers and the shared expert's gate stay float, multiplied on the kernel (kind 'f32'); the logits equal (to
+  float rounding) the float path's over the same weights dequantized, as do the dequantizing XLA path's; greedy
+  n-gram speculation emits the quantized target's AR tokens."""
+  from flax import nnx
+
+  path = f'{FIXTURES}/{name}'
+  model, reference = specjax.load(path, quant='int8'), specjax.load(path)
+  if not ops.uses_kernel():
+    pytest.skip(ops.kernel_status())
+  flat = {'.'.join(map(str, p)): v[...] for p, v in nnx.to_flat_state(model.params)}
+  floats = {'.'.join(map(str, p)): v[...] for p, v in nnx.to_flat_state(reference.params)}
+  experts = [
+      k for k in flat if k.endswith(('moe.gate_up', 'moe.down', 'mlp.gate_up', 'mlp.down')) and flat[k].ndim == 3
+  ]
+  assert experts and all(flat[k].kind == 'int8' and flat[k].values.ndim == 3 for k in experts), sorted(flat)
+  # The float model keeps its experts and routers float, stored for the kernel too (kind 'f32').
+  assert all(floats[k].kind == 'f32' and 4 * flat[k].values.nbytes == floats[k].nbytes for k in experts)
+  routers = [k for k in flat if k.endswith(('router', 'shared_gate'))]
+  assert routers and all(flat[k].kind == floats[k].kind == 'f32' for k in routers)
+  assert all(np.array_equal(flat[k].values, floats[k].values) for k in routers)
+  tokens = np.asarray([model.tokenizer.encode(PROMPTS[1])], np.int32)
+  lens = np.full((1,), tokens.shape[1], np.int32)
+  logits = lambda m: cache_step(m)(tokens, make_cache(m, 1, 64), lens)[0]
+  dequantized = dataclasses.replace(
+      model, params=dequantize_params(jax.tree.map(lambda x: x, model.params), jnp.float32)
+  )
+  quantized, same_weights = logits(model), logits(dequantized)  # the float path over the quantized weights
+  assert float(jnp.abs(quantized - same_weights).max() / jnp.abs(same_weights).max()) < 1e-4
+  assert not np.array_equal(quantized, logits(reference))
+  ops.set_impl('xla')
+  try:
+    xla = logits(model)
+  finally:
+    ops.set_impl('auto')
+  assert float(jnp.abs(xla - quantized).max() / jnp.abs(quantized).max()) < 1e-4
+  want = [r.tokens for r in specjax.Engine(model, page_size=4).generate(PROMPTS, max_new_tokens=12)[0]]
+  engine = specjax.Engine(model, page_size=4, drafter=make_drafter('ngram', model))
+  assert [r.tokens for r in engine.generate(PROMPTS, max_new_tokens=12, num_draft=3)[0]] == want
 
 
 def test_sampled_law_holds_under_quantization():

@@ -99,6 +99,29 @@ def test_bad_shapes():
     cpu_kernel.qmatmul(x, values.astype(jnp.float32), scales, bits=8, group=32)
 
 
+@pytest.mark.parametrize(
+    'bits,act_bits,mins', [(8, 32, False), (4, 32, True), (8, 8, False), (4, 8, True), (32, 32, False)]
+)
+def test_expert_rows_equal_one_row_products(bits, act_bits, mins):
+  """`qmatmul_rows` (routed experts): each row through its expert has the bits of a one-row product with that
+  expert's matrix alone, whichever rows share the call (experts repeated, one unused, rows in any order)."""
+  rng = np.random.default_rng(bits + act_bits)
+  k, n, group, offset = 128, 200, 32, 8 if bits == 4 else 0
+  parts = [quantized(rng, n, k, bits=bits, group=group, offset=offset, mins=mins)[0] for _ in range(4)]
+  stack = [None if parts[0][i] is None else np.stack([p[i] for p in parts]) for i in range(3)]
+  kw = dict(bits=bits, group=group, offset=offset, act_bits=act_bits)
+  rows = jax.jit(lambda x, ids: cpu_kernel.qmatmul_rows(x, *stack, ids, **kw))
+  x = rng.standard_normal((9, k)).astype(np.float32)
+  ids = np.array([2, 0, 2, 2, 1, 0, 2, 1, 0], np.int32)  # expert 3 unused
+  y = np.asarray(rows(x, ids))
+  for m in range(9):
+    alone = cpu_kernel.qmatmul(x[m : m + 1], *parts[ids[m]], **kw)
+    assert bits_equal(alone, y[m : m + 1]), m
+  perm = rng.permutation(9)
+  assert bits_equal(rows(x[perm], ids[perm]), y[perm])
+  assert bits_equal(rows(x[4:5], ids[4:5]), y[4:5])
+
+
 # ---------------------------------------------------------------- act int8: activations quantized per block
 # (bits, G, K): every VNNI tile shape (int8 with B 16 / 32, int4 G 32 / 64 / 128) and the generic ones (int8 G 22
 # and 48 -> B 22 and 16 with a group of 3 blocks, int4 G 16 and 48), K no multiple of 64 where G allows.

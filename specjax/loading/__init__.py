@@ -13,8 +13,9 @@ from flax import nnx
 from specjax.errors import SpecjaxError
 from specjax.loading.checkpoint import Checkpoint, GenerationDefaults, release_host_memory  # noqa: F401 (API)
 from specjax.loading.registry import DEMO_MODELS, family_for
+from specjax.quant import ops
 from specjax.quant.formats import QUANT_ACTS, QUANT_CHOICES, QMatrix, to_device
-from specjax.quant.params import quantize_params, quantized_kinds, set_act, settle
+from specjax.quant.params import kernel_floats, quantize_params, quantized_kinds, set_act, settle
 
 HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')
 
@@ -222,7 +223,9 @@ def build_model(
   if quant in ('int8', 'int4'):
     quantize_params(state, quant, group=quant_group, embedding=quant_embedding)
   if quant:
-    set_act(state, quant_act)
+    set_act(kernel_floats(state), quant_act)
+  elif mesh is None and dt == jnp.float32 and ops.uses_kernel():  # float MoE experts and routers on the kernel
+    kernel_floats(state, experts=True)
   quant = quant and describe_quant(state, quant, quant_group, dt, quant_act)
   layout = abstract.cache_layout()
   release_host_memory()
@@ -306,8 +309,9 @@ def check_groups(abstract: nnx.Module, group: int, source: str) -> None:
   from specjax.models.layers import Weight
 
   for path, var in nnx.to_flat_state(nnx.state(abstract)):
-    if isinstance(var, Weight):
-      inputs = var.get_value().shape[1 - var.out_axis]
+    if isinstance(var, Weight) and not getattr(var, 'keep_float', False):
+      shape = var.get_value().shape
+      inputs = shape[len(shape) - 1 - var.out_axis]  # a stack of experts: each matrix's
       if inputs % group:
         name = '.'.join(map(str, path))
         raise SpecjaxError(

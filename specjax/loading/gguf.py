@@ -375,8 +375,10 @@ def read_gguf_metadata(path: str) -> dict[str, Any]:
 
 
 # HF names of the tensors `--quant auto` keeps quantized: what the models read through `Weight` params.
-_QUANTIZABLE = tuple(f'self_attn.{p}_proj.weight' for p in 'qkvo') + tuple(
-    f'mlp.{p}_proj.weight' for p in ('gate', 'up', 'down')
+_QUANTIZABLE = (
+    tuple(f'self_attn.{p}_proj.weight' for p in 'qkvo')
+    + tuple(f'mlp.{p}_proj.weight' for p in ('gate', 'up', 'down'))
+    + ('experts.gate_up_proj', 'experts.down_proj')  # stacked: one matrix an expert
 )
 _EMBEDDING = ('model.embed_tokens.weight', 'lm_head.weight')
 
@@ -422,7 +424,7 @@ def load_gguf(path: str, *, keep_quantized: bool = False, quant_embedding: bool 
   for gguf_name, hf_name in hf_names.items():
     info = gguf_file.tensors[gguf_name]
     keep = hf_name.endswith(_QUANTIZABLE) or (quant_embedding and hf_name in _EMBEDDING)
-    if keep_quantized and keep and info.qtype in REPACKED and len(info.shape) == 2:
+    if keep_quantized and keep and info.qtype in REPACKED and len(info.shape) in (2, 3):
       values = repack(gguf_file.raw(info), info.qtype, info.shape)
       if spec.permute_qk and gguf_name.endswith(('.attn_q.weight', '.attn_k.weight')):
         heads = config['num_attention_heads' if '.attn_q.' in gguf_name else 'num_key_value_heads']

@@ -56,8 +56,10 @@ from specjax.models.layers import (
     param,
     rms_normalize,
     routed_experts,
+    softmax_rows,
     weight,
 )
+from pallas_kernels.reductions import tree_sum
 from specjax.models.transformer import head_logits, mlp_params, run_layers
 from specjax.models.weights import tensor_taker, unwrap_language_model
 from specjax.quant import ops
@@ -275,19 +277,18 @@ class Gemma4MoE(nnx.Module):
     d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     norm = lambda: RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
     self.router_scale = nnx.Param(jnp.ones((d,), dtype))
-    self.router = param(rngs, (d, e), dtype)
+    self.router = weight(rngs, (d, e), dtype, keep_float=True)
     self.per_expert_scale = nnx.Param(jnp.ones((e,), dtype))
-    self.gate_up = param(rngs, (e, d, 2 * f), dtype, fan_in=d)
-    self.down = param(rngs, (e, f, d), dtype, fan_in=f)
+    self.gate_up = weight(rngs, (e, d, 2 * f), dtype, fan_in=d)
+    self.down = weight(rngs, (e, f, d), dtype, fan_in=f)
     self.pre_norm, self.post_norm = norm(), norm()
     self.top_k, self.eps, self.activation = cfg.top_k_experts, cfg.rms_norm_eps, cfg.hidden_activation
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
     d = x.shape[-1]
     routed = (rms_normalize(x, self.eps) * self.router_scale[...] * d**-0.5).astype(x.dtype)
-    logits = jnp.einsum('btd,de->bte', routed, self.router[...])
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), self.top_k)  # [B, T, X]
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True) * self.per_expert_scale[...][experts]
+    weights, experts = jax.lax.top_k(softmax_rows(ops.matmul(routed, self.router[...])), self.top_k)  # [B, T, X]
+    weights = weights / tree_sum(weights) * self.per_expert_scale[...][experts]
     out = routed_experts(self.pre_norm(x), weights, experts, self.gate_up[...], self.down[...], self.activation)
     return self.post_norm(out)
 

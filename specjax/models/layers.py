@@ -26,6 +26,7 @@ from specjax.cache.paged import write_kv
 from specjax.models.contract import PagedKV, StepInputs
 from specjax.parallel.attention import sharded_paged_attention
 from specjax.quant import ops
+from specjax.quant.formats import QMatrix
 
 ACTIVATIONS = {
     'gelu_pytorch_tanh': lambda x: jax.nn.gelu(x, approximate=True),
@@ -42,16 +43,36 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, *, fan_in: int | None =
 
 
 class Weight(nnx.Param):
-  """A matrix the blocks read only through `specjax.quant.ops`, so it may hold a `QMatrix`.
+  """A matrix (or a stack of expert matrices) the blocks read only through `specjax.quant.ops`, so it may hold a
+  `QMatrix`.
 
   Metadata `out_axis`: its output axis (1 for a `[K, N]` projection, 0 for a
-  `[V, D]` table). `specjax.quant.quantize_params` quantizes these and nothing else.
+  `[V, D]` table; a stack `[E, ., .]`: each matrix's). `specjax.quant.quantize_params`
+  quantizes these and nothing else; `keep_float=True` (MoE routers) keeps it float,
+  multiplied on the quantized kernel (`specjax.quant.params.kernel_floats`).
   """
 
 
-def weight(rngs: nnx.Rngs, shape: tuple[int, int], dtype, *, out_axis: int = 1, fan_in: int | None = None) -> Weight:
+def weight(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    dtype,
+    *,
+    out_axis: int = 1,
+    fan_in: int | None = None,
+    keep_float: bool = False,
+) -> Weight:
   """A quantizable matrix (`Weight`) drawn as `param` draws."""
-  return Weight(param(rngs, shape, dtype, fan_in=fan_in)[...], out_axis=out_axis)
+  extra = {'keep_float': True} if keep_float else {}
+  return Weight(param(rngs, shape, dtype, fan_in=fan_in)[...], out_axis=out_axis, **extra)
+
+
+def softmax_rows(x: jax.Array) -> jax.Array:  # [..., E] -> float32 [..., E]
+  """Softmax over the last axis whose sum is a fixed tree (`tree_sum`): a row's bits do not depend on the rows
+  around it (a router's weights in a verify pass equal the decode step's)."""
+  x = x.astype(jnp.float32)
+  e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+  return e / tree_sum(e)
 
 
 class RMSNorm(nnx.Module):
@@ -383,21 +404,32 @@ def routed_experts(
     x: jax.Array,  # [B, T, D]
     weights: jax.Array,  # [B, T, X] weights of the chosen experts
     experts: jax.Array,  # [B, T, X] int chosen experts
-    gate_up: jax.Array,  # [E, D, 2F] gate and up side by side
-    down: jax.Array,  # [E, F, D]
+    gate_up,  # [E, D, 2F] gate and up side by side (float or a stacked QMatrix)
+    down,  # [E, F, D]
     activation: str,
     gather: bool | None = None,
 ) -> jax.Array:  # [B, T, D]
   """Sum over the chosen experts of `weight * down(act(gate(x)) * up(x))`.
 
-  `gather`: read only the chosen experts (default: when tokens x top-k < experts,
-  as in decode and verify); else every expert runs on every token, weighted
-  (prefill).
+  Float experts, `gather`: read only the chosen experts (default: when tokens x
+  top-k < experts, as in decode and verify); else every expert runs on every
+  token, weighted (prefill). Quantized experts: each (token, slot) row through
+  its expert (`ops.expert_matmul`), the slots summed in order: a token's output
+  does not depend on the other tokens of the pass.
   """
   b, t, x_slots = experts.shape
-  e = gate_up.shape[0]
   act = ACTIVATIONS[activation]
   weights = weights.astype(x.dtype)
+  if isinstance(gate_up, QMatrix):
+    ids = experts.reshape(-1)
+    rows = jnp.broadcast_to(x[:, :, None, :], (b, t, x_slots, x.shape[-1])).reshape(ids.shape[0], -1)
+    gate, up = jnp.split(ops.expert_matmul(rows, gate_up, ids), 2, axis=-1)
+    y = ops.expert_matmul(act(gate) * up, down, ids).reshape(b, t, x_slots, -1)  # [B, T, X, D]
+    out = y[:, :, 0] * weights[:, :, 0, None]
+    for i in range(1, x_slots):
+      out = out + y[:, :, i] * weights[:, :, i, None]
+    return out
+  e = gate_up.shape[0]
   if b * t * x_slots < e if gather is None else gather:
     gate, up = jnp.split(jnp.einsum('btd,btxdf->btxf', x, gate_up[experts]), 2, axis=-1)
     y = jnp.einsum('btxf,btxfd->btxd', act(gate) * up, down[experts])
@@ -423,24 +455,24 @@ class MoE(nnx.Module):
       dtype=jnp.float32,
       rngs: nnx.Rngs,
   ):
-    self.router = param(rngs, (dim, num_experts), dtype)
-    self.gate_up = param(rngs, (num_experts, dim, 2 * hidden), dtype, fan_in=dim)
-    self.down = param(rngs, (num_experts, hidden, dim), dtype, fan_in=hidden)
+    self.router = weight(rngs, (dim, num_experts), dtype, keep_float=True)
+    self.gate_up = weight(rngs, (num_experts, dim, 2 * hidden), dtype, fan_in=dim)
+    self.down = weight(rngs, (num_experts, hidden, dim), dtype, fan_in=hidden)
     self.has_shared = shared_hidden > 0
     if self.has_shared:
       self.shared_expert = GatedMLP(dim, shared_hidden, activation='silu', dtype=dtype, rngs=rngs)
-      self.shared_gate = param(rngs, (dim, 1), dtype)
+      self.shared_gate = weight(rngs, (dim, 1), dtype, keep_float=True)
     self.top_k, self.renormalize = top_k, renormalize
 
   def __call__(self, x: jax.Array, gather: bool | None = None) -> jax.Array:  # [B, T, D]
     """`gather`: read only the chosen experts (default: when tokens x top-k < experts)."""
-    probs = jax.nn.softmax(jnp.einsum('btd,de->bte', x, self.router[...]).astype(jnp.float32), axis=-1)
+    probs = softmax_rows(ops.matmul(x, self.router[...]))
     weights, experts = jax.lax.top_k(probs, self.top_k)  # [B, T, X]
     if self.renormalize:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+      weights = weights / tree_sum(weights)
     out = routed_experts(x, weights, experts, self.gate_up[...], self.down[...], 'silu', gather)
     if self.has_shared:
-      out = out + jax.nn.sigmoid(jnp.einsum('btd,do->bto', x, self.shared_gate[...])) * self.shared_expert(x)
+      out = out + jax.nn.sigmoid(ops.matmul(x, self.shared_gate[...])) * self.shared_expert(x)
     return out
 
 

@@ -56,6 +56,7 @@ from specjax.errors import SpecjaxError
 
 _MODULE = 'specjax.quant._qmatmul_cpu'
 _TARGET = 'specjax_qmatmul'
+_ROWS_TARGET = 'specjax_qmatmul_rows'
 
 
 @functools.cache
@@ -70,6 +71,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     return None, f'the C++ extension {spec.origin} does not load: {e}'
   lib.SpecjaxQmatmulIsa.restype = ctypes.c_char_p
   jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SpecjaxQmatmul), platform='cpu')
+  jax.ffi.register_ffi_target(_ROWS_TARGET, jax.ffi.pycapsule(lib.SpecjaxQmatmulRows), platform='cpu')
   return lib, ''
 
 
@@ -166,6 +168,42 @@ def qmatmul(
       mutant=np.int64(_mutant),
   )
   return y.reshape(*lead, n)  # [..., N]
+
+
+def qmatmul_rows(x, values, scales, mins, ids, *, bits: int, group: int, offset: int = 0, act_bits: int = 32):
+  """y[m] = x[m] @ w[ids[m]].T over a stack of E matrices in qmatmul's format (routed experts).
+
+  x: [M, K] float32; values: [E, N, K] int8 | [E, N, K // 2] uint8 | [E, N, K] float32; scales, mins:
+  [E, N, K // G] (mins optional; neither for bits 32); ids: [M] int in [0, E). Each row's output has the bits
+  `qmatmul(x[m:m+1], values[ids[m]], ...)` gives, whatever the other rows (the kernel gathers each expert's
+  rows into one product). Returns [M, N] float32. Works under jit.
+  """
+  lib, why = _library()
+  if lib is None:
+    raise SpecjaxError(f'qmatmul_rows: the CPU kernel is unavailable: {why}')
+  m, k = x.shape
+  group = k if bits == 32 else group
+  for shape in (values.shape, None if scales is None else scales.shape, None if mins is None else mins.shape):
+    if shape is not None and len(shape) != 3:
+      raise SpecjaxError(f'qmatmul_rows: values, scales and mins must be [E, N, .], got {list(shape)}')
+  inner = lambda a: None if a is None else a.shape[1:]
+  check_shapes(k, values.shape[1:], inner(scales), inner(mins), bits=bits, group=group, offset=offset)
+  empty = jnp.zeros((0, 0, 0), jnp.float32)
+  call = jax.ffi.ffi_call(
+      _ROWS_TARGET, jax.ShapeDtypeStruct((m, values.shape[1]), jnp.float32), vmap_method='sequential'
+  )
+  return call(
+      x.astype(jnp.float32),
+      values,
+      empty if scales is None else scales.astype(jnp.float32),
+      empty if mins is None else mins.astype(jnp.float32),
+      ids.astype(jnp.int32),
+      bits=np.int64(bits),
+      group=np.int64(group),
+      offset=np.int64(offset),
+      has_mins=mins is not None,
+      act_bits=np.int64(act_bits),
+  )
 
 
 def act_block(group: int) -> int:

@@ -10,7 +10,14 @@ tensor's rows), in groups of G consecutive inputs:
 - bits 8: `values` int8 `[N, K]` holds v (also 5- and 6-bit GGUF values);
 - bits 4: `values` uint8 `[N, K / 2]`; the group starting at k0 takes G / 2
   bytes, byte j holding element k0 + j in its low nibble and k0 + j + G / 2 in
-  its high one; a nibble u means v = u - offset.
+  its high one; a nibble u means v = u - offset;
+- bits 32: `values` float32 `[N, K]`, no scales: a float matrix that the
+  quantized kernel multiplies (its sums do not depend on how many rows go in:
+  MoE routers of a quantized model, kind 'f32').
+
+A stack of E such matrices (routed experts) has a leading axis on every leaf:
+`values [E, N, K]`, `scales [E, N, K / G]`; `out_axis` then names the axis of
+each expert's logical matrix.
 
 `out_axis` says which axis of the logical (float) matrix is N: 1 for a `[K, N]`
 projection, 0 for a `[V, D]` table. `act` says how the products treat the activations: 'float', or 'int8' (quantized
@@ -41,9 +48,9 @@ QUANT_ACTS = ('float', 'int8')  # what `load(quant_act=)` and --quant-act take
 class QMatrix:
   """A quantized matrix (see the module docstring); a pytree of `values`, `scales`, `mins`."""
 
-  values: Any  # int8 [N, K] or uint8 [N, K / 2]
-  scales: Any  # float32 [N, K / G]
-  mins: Any  # float32 [N, K / G] or None
+  values: Any  # int8 [(E,) N, K], uint8 [(E,) N, K / 2] or float32 [(E,) N, K]
+  scales: Any  # float32 [(E,) N, K / G] (None for bits 32)
+  mins: Any  # float32 [(E,) N, K / G] or None
   bits: int = dataclasses.field(metadata=dict(static=True))
   group: int = dataclasses.field(metadata=dict(static=True))
   offset: int = dataclasses.field(default=0, metadata=dict(static=True))  # 4-bit: v = nibble - offset
@@ -53,25 +60,25 @@ class QMatrix:
 
   @property
   def num_outputs(self) -> int:
-    return self.values.shape[0]
+    return self.values.shape[-2]
 
   @property
   def num_inputs(self) -> int:
-    return self.values.shape[1] * (2 if self.bits == 4 else 1)
+    return self.values.shape[-1] * (2 if self.bits == 4 else 1)
 
   @property
-  def shape(self) -> tuple[int, int]:
-    """The logical (float) matrix's shape."""
+  def shape(self) -> tuple[int, ...]:
+    """The logical (float) matrix's shape (a stack's: `(E, ...)`)."""
     n, k = self.num_outputs, self.num_inputs
-    return (n, k) if self.out_axis == 0 else (k, n)
+    return (*self.values.shape[:-2], *((n, k) if self.out_axis == 0 else (k, n)))
 
   @property
   def ndim(self) -> int:
-    return 2
+    return self.values.ndim
 
   @property
   def dtype(self):
-    return self.scales.dtype
+    return self.values.dtype if self.bits == 32 else self.scales.dtype
 
   @property
   def nbytes(self) -> int:
@@ -79,6 +86,13 @@ class QMatrix:
 
   @property
   def T(self) -> QMatrix:  # noqa: N802 (numpy's name)
+    assert self.ndim == 2, "a stack of experts swaps its matrices' axes with transpose(0, 2, 1)"
+    return dataclasses.replace(self, out_axis=1 - self.out_axis)
+
+  def transpose(self, *axes: int) -> QMatrix:
+    """Each matrix's two axes swapped: `(1, 0)` of a matrix, `(0, 2, 1)` of a stack (the storage stays)."""
+    if tuple(axes) != ((1, 0) if self.ndim == 2 else (0, 2, 1)):
+      raise TypeError(f"a QMatrix of {self.ndim} axes transposes only its matrices' two axes, not {axes}")
     return dataclasses.replace(self, out_axis=1 - self.out_axis)
 
   def __getitem__(self, key):
@@ -93,8 +107,14 @@ class QMatrix:
 
   def rows(self, index) -> QMatrix:
     """The storage rows (outputs) at `index` (an int array or a slice), as a QMatrix."""
+    assert self.ndim == 2, 'a stack of experts selects whole matrices (`experts`)'
     take = lambda x: None if x is None else x[index]
-    return dataclasses.replace(self, values=self.values[index], scales=self.scales[index], mins=take(self.mins))
+    return dataclasses.replace(self, values=self.values[index], scales=take(self.scales), mins=take(self.mins))
+
+  def experts(self, ids) -> QMatrix:
+    """The matrices `ids` (an int array) of a stack, still quantized: leaves `[*ids.shape, N, .]`."""
+    take = lambda x: None if x is None else x[ids]
+    return dataclasses.replace(self, values=self.values[ids], scales=take(self.scales), mins=take(self.mins))
 
 
 def concatenate(parts, axis: int = 0, **kwargs) -> QMatrix:
@@ -137,37 +157,49 @@ def widen(q: QMatrix, group: int) -> QMatrix:
   return QMatrix(values.astype(np.int8), scales, mins, 8, group, 0, q.out_axis, q.kind, q.act)
 
 
-def unpack_values(q: QMatrix, xp=jnp):  # -> int8 [N, K]
+def unpack_values(q: QMatrix, xp=jnp):  # -> int8 [(E,) N, K]
   """The integer values v (nibbles unpacked and offset for 4 bits)."""
-  if q.bits == 8:
+  if q.bits in (8, 32):
     return q.values
-  n = q.values.shape[0]
-  packed = q.values.reshape(n, -1, q.group // 2)
+  *lead, n, _ = q.values.shape
+  packed = q.values.reshape(*lead, n, -1, q.group // 2)
   nibbles = xp.concatenate([packed & 15, packed >> 4], axis=-1).astype(xp.int8)
-  return nibbles.reshape(n, -1) - xp.asarray(q.offset, xp.int8)
+  return nibbles.reshape(*lead, n, -1) - xp.asarray(q.offset, xp.int8)
 
 
-def dequantize(q: QMatrix, dtype=jnp.float32, xp=jnp):  # -> [N, K] storage layout
+def dequantize(q: QMatrix, dtype=jnp.float32, xp=jnp):  # -> [(E,) N, K] storage layout
   """The float weights, storage-major `[N, K]` (`xp=np` on the host: float32, the order of GGUF's dequantizer)."""
-  n, k = q.num_outputs, q.num_inputs
-  v = unpack_values(q, xp).reshape(n, k // q.group, q.group).astype(xp.float32)
+  if q.bits == 32:
+    return q.values.astype(dtype)
+  *lead, n, _ = q.values.shape
+  k = q.num_inputs
+  v = unpack_values(q, xp).reshape(*lead, n, k // q.group, q.group).astype(xp.float32)
   w = q.scales[..., None] * v
   if q.mins is not None:
     w = w - q.mins[..., None]
-  return w.reshape(n, k).astype(dtype)
+  return w.reshape(*lead, n, k).astype(dtype)
 
 
 def dense_host(q: QMatrix) -> np.ndarray:
   """The float32 matrix in its logical layout, on the host."""
   w = dequantize(q, np.float32, xp=np)
-  return w if q.out_axis == 0 else w.T
+  return w if q.out_axis == 0 else np.swapaxes(w, -1, -2)
 
 
 def quantize(w: np.ndarray, mode: str, *, out_axis: int, group: int = 32) -> QMatrix:
-  """A float matrix -> int8 (symmetric, a scale per output channel) or int4 (symmetric, a scale per `group`)."""
-  storage = np.asarray(w, np.float32)
-  storage = storage if out_axis == 0 else storage.T
+  """A float matrix -> int8 (symmetric, a scale per output channel), int4 (symmetric, a scale per `group`) or
+  'f32' (kept float, for the kernel); a stack `[E, ., .]` of them (routed experts) matrix by matrix."""
+  w = np.asarray(w, np.float32)
+  if w.ndim == 3:
+    parts = [quantize(m, mode, out_axis=out_axis, group=group) for m in w]
+    stack = lambda *xs: None if xs[0] is None else np.stack(xs)
+    return dataclasses.replace(
+        parts[0], **{f: stack(*(getattr(p, f) for p in parts)) for f in ('values', 'scales', 'mins')}
+    )
+  storage = w if out_axis == 0 else w.T
   n, k = storage.shape
+  if mode == 'f32':
+    return QMatrix(np.ascontiguousarray(storage), None, None, 32, k, 0, out_axis, 'f32')
   if mode == 'int8':
     scale = np.abs(storage).max(axis=1, keepdims=True) / 127.0
     v = np.round(storage / np.where(scale == 0, 1.0, scale)).clip(-127, 127).astype(np.int8)

@@ -17,6 +17,8 @@ the block's f16 scale and its integer sub-scale (exact in float32), so
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
@@ -37,8 +39,14 @@ def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:  # [..., C * width / 2] 
   return (c & 15).reshape(*qs.shape[:-1], -1, width)
 
 
-def repack(raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> QMatrix:
-  """A stored 2-D tensor (`raw` [N, bytes per row] uint8, `shape` (N, K)) as a QMatrix, `out_axis` 0."""
+def repack(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> QMatrix:
+  """A stored tensor (`raw` [(E,) N, bytes per row] uint8, `shape` ((E,) N, K)) as a QMatrix, `out_axis` 0 (a
+  3-D tensor, stacked experts: one matrix each, every leaf with the leading E)."""
+  if len(shape) == 3:
+    e, n, k = shape
+    q = repack(raw.reshape(e * n, -1), qtype, (e * n, k))
+    stack = lambda x: None if x is None else x.reshape(e, n, -1)
+    return dataclasses.replace(q, values=stack(q.values), scales=stack(q.scales), mins=stack(q.mins))
   qtype = T(qtype)
   n, k = shape
   block, size = quants.GGML_QUANT_SIZES[qtype]

@@ -2,7 +2,8 @@
 
 Models stay free of quantization branches: they call `matmul(x, w)` for
 `x @ w` with `w [K, N]`, `matmul_t(x, table)` for `x @ table.T` with a
-`[V, D]` table, `take(w, ids, axis)` for embedding rows and
+`[V, D]` table, `expert_matmul(x, w, ids)` for `x[m] @ w[ids[m]]` over a stack
+of routed experts, `take(w, ids, axis)` for embedding rows and
 `take_outputs(w, ids, axis)` for a subset of output channels (a draft
 vocabulary, the key/value columns of a fused projection). On a float array each
 is the jnp op it replaces; on a `QMatrix` it runs the quantized product:
@@ -90,6 +91,27 @@ def _qdot(x: jax.Array, q: QMatrix) -> jax.Array:  # x [..., K] -> [..., N]
 
     x = act8_dequantized(x, q.group)
   return jnp.einsum('...k,nk->...n', x, dequantize(q, x.dtype))
+
+
+def expert_matmul(x: jax.Array, w, ids: jax.Array) -> jax.Array:  # x [M, K], w [E, K, N], ids [M] -> [M, N]
+  """`x[m] @ w[ids[m]]` for a stack of `[K, N]` expert weights (each row through its expert).
+
+  Quantized on the CPU kernel, the rows of each expert are multiplied together and every row gets the bits a
+  one-row product gives it (`cpu_kernel.qmatmul_rows`); elsewhere the chosen experts are gathered (still
+  quantized) and dequantized inside jit.
+  """
+  if not isinstance(w, QMatrix):
+    return jnp.einsum('mk,mkn->mn', x, w[ids])
+  assert w.ndim == 3 and w.out_axis == 1, 'expert_matmul takes a stack of [K, N] weights'
+  act_bits = 8 if w.act == 'int8' else 32
+  if uses_kernel():
+    kw = dict(bits=w.bits, group=w.group, offset=w.offset, act_bits=act_bits)
+    return _kernel().qmatmul_rows(x, w.values, w.scales, w.mins, ids, **kw).astype(x.dtype)
+  if act_bits == 8:
+    from specjax.quant.cpu_kernel import act8_dequantized
+
+    x = act8_dequantized(x, w.group)
+  return jnp.einsum('mk,mnk->mn', x, dequantize(w.experts(ids), x.dtype))
 
 
 def matmul(x: jax.Array, w) -> jax.Array:  # x [..., K], w [K, N] -> [..., N]

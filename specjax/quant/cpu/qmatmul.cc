@@ -600,30 +600,9 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t threads, int64_t tasks, std::fun
   while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
 }
 
-ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
-                   ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group,
-                   int64_t offset, bool has_mins, int64_t act_bits, int64_t mutant) {
-  auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("qmatmul: x, values, scales and y must be 2-D");
-  const int64_t M = xd[0], K = xd[1], N = vd[0];
-  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : bits == 4 ? ffi::DataType::U8 : ffi::DataType::F32;
-  if (bits != 8 && bits != 4 && bits != 32) return ffi::Error::InvalidArgument("qmatmul: bits must be 4, 8 or 32");
-  if (values.element_type() != want) return ffi::Error::InvalidArgument("qmatmul: values have the wrong dtype");
-  if (bits == 32) group = K;
-  if (group <= 0 || group % 2 || K % group) return ffi::Error::InvalidArgument("qmatmul: K must be a multiple of G");
-  if (vd[1] != (bits == 4 ? K / 2 : K)) return ffi::Error::InvalidArgument("qmatmul: values do not match K");
-  if (bits != 32 && (sd[0] != N || sd[1] != K / group))
-    return ffi::Error::InvalidArgument("qmatmul: scales must be [N, K / G]");
-  if (has_mins && (mins.dimensions().size() != 2 || mins.dimensions()[0] != N || mins.dimensions()[1] != K / group))
-    return ffi::Error::InvalidArgument("qmatmul: mins must be [N, K / G]");
-  if (yd[0] != M || yd[1] != N) return ffi::Error::InvalidArgument("qmatmul: y must be [M, N]");
-  if (M == 0 || N == 0) return ffi::Error::Success();
-
-  if (act_bits != 32 && (act_bits != 8 || bits == 32))
-    return ffi::Error::InvalidArgument("qmatmul: act_bits must be 32, or 8 with 4- or 8-bit weights");
-  const Problem p{x.typed_data(), values.untyped_data(), scales.typed_data(), has_mins ? mins.typed_data() : nullptr,
-                  y->typed_data(), M, K, N, group, static_cast<int>(offset)};
+// Multiplies p's rows by its weights (shapes already checked), sharing channel blocks over the pool's threads.
+void Run(ffi::ThreadPool& pool, const Problem& p, int64_t bits, bool has_mins, int64_t act_bits, int64_t mutant) {
+  const int64_t M = p.m, K = p.k, N = p.n;
   const int64_t threads = M * N * K < (1 << 18) ? 1 : Threads(pool);
   if (act_bits == 8) {  // rows quantized once, here; then blocks of whole VNNI tiles, at least 4 per thread
     Act a;
@@ -636,7 +615,7 @@ ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
       ParallelFor(pool, threads, (N + kBlock - 1) / kBlock,
                   [&p, &a, fn, N, kBlock](int64_t b) { fn(p, a, b * kBlock, std::min(N, (b + 1) * kBlock)); });
     }
-    return ffi::Error::Success();
+    return;
   }
   const ChannelsFn fn = Select(bits, has_mins && bits != 32);
   // Blocks of 120 channels (a multiple of every tile width); one thread for small problems.
@@ -646,6 +625,94 @@ ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     fn(p, 0, N);
   } else {
     ParallelFor(pool, threads, blocks, [&p, fn, N](int64_t b) { fn(p, b * kBlock, std::min(N, (b + 1) * kBlock)); });
+  }
+}
+
+// Checks the attributes and the shapes of one matrix ([N, Kv] values, [N, K / G] scales and mins) against x's K.
+ffi::Error Check(int64_t K, int64_t N, int64_t kv, ffi::DataType dtype, int64_t s0, int64_t s1, int64_t bits,
+                 int64_t& group, bool has_mins, int64_t m0, int64_t m1, int64_t act_bits) {
+  const ffi::DataType want = bits == 8 ? ffi::DataType::S8 : bits == 4 ? ffi::DataType::U8 : ffi::DataType::F32;
+  if (bits != 8 && bits != 4 && bits != 32) return ffi::Error::InvalidArgument("qmatmul: bits must be 4, 8 or 32");
+  if (dtype != want) return ffi::Error::InvalidArgument("qmatmul: values have the wrong dtype");
+  if (bits == 32) group = K;
+  if (group <= 0 || group % 2 || K % group) return ffi::Error::InvalidArgument("qmatmul: K must be a multiple of G");
+  if (kv != (bits == 4 ? K / 2 : K)) return ffi::Error::InvalidArgument("qmatmul: values do not match K");
+  if (bits != 32 && (s0 != N || s1 != K / group)) return ffi::Error::InvalidArgument("qmatmul: scales must be [N, K / G]");
+  if (has_mins && (m0 != N || m1 != K / group)) return ffi::Error::InvalidArgument("qmatmul: mins must be [N, K / G]");
+  if (act_bits != 32 && (act_bits != 8 || bits == 32))
+    return ffi::Error::InvalidArgument("qmatmul: act_bits must be 32, or 8 with 4- or 8-bit weights");
+  return ffi::Error::Success();
+}
+
+ffi::Error Qmatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
+                   ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group,
+                   int64_t offset, bool has_mins, int64_t act_bits, int64_t mutant) {
+  auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  auto md = mins.dimensions();
+  if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2 || yd.size() != 2 || (has_mins && md.size() != 2))
+    return ffi::Error::InvalidArgument("qmatmul: x, values, scales, mins and y must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = vd[0];
+  if (ffi::Error e = Check(K, N, vd[1], values.element_type(), sd[0], sd[1], bits, group, has_mins,
+                           has_mins ? md[0] : 0, has_mins ? md[1] : 0, act_bits);
+      e.failure())
+    return e;
+  if (yd[0] != M || yd[1] != N) return ffi::Error::InvalidArgument("qmatmul: y must be [M, N]");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const Problem p{x.typed_data(), values.untyped_data(), scales.typed_data(), has_mins ? mins.typed_data() : nullptr,
+                  y->typed_data(), M, K, N, group, static_cast<int>(offset)};
+  Run(pool, p, bits, has_mins, act_bits, mutant);
+  return ffi::Error::Success();
+}
+
+// y[m] = x[m] @ w[ids[m]] over a stack of E matrices (routed experts): values [E, N, Kv], scales and mins
+// [E, N, K / G]. The rows of each expert are gathered and multiplied as one Qmatmul problem, so every y[m, n] has
+// the bits that Qmatmul gives x[m] against that expert's matrix alone, whatever the other rows.
+ffi::Error QmatmulRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
+                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> ids,
+                       ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group, int64_t offset, bool has_mins,
+                       int64_t act_bits) {
+  auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  auto md = mins.dimensions(), id = ids.dimensions();
+  if (xd.size() != 2 || vd.size() != 3 || sd.size() != 3 || yd.size() != 2 || id.size() != 1 ||
+      (has_mins && md.size() != 3))
+    return ffi::Error::InvalidArgument("qmatmul_rows: x [M, K], values, scales, mins [E, N, .], ids [M], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], E = vd[0], N = vd[1];
+  if (ffi::Error e = Check(K, N, vd[2], values.element_type(), sd[1], sd[2], bits, group, has_mins,
+                           has_mins ? md[1] : 0, has_mins ? md[2] : 0, act_bits);
+      e.failure())
+    return e;
+  if ((bits != 32 && sd[0] != E) || (has_mins && md[0] != E) || id[0] != M || yd[0] != M || yd[1] != N)
+    return ffi::Error::InvalidArgument("qmatmul_rows: scales, mins, ids or y do not match values and x");
+  const int32_t* expert = ids.typed_data();
+  for (int64_t m = 0; m < M; ++m)
+    if (expert[m] < 0 || expert[m] >= E) return ffi::Error::InvalidArgument("qmatmul_rows: an id is out of range");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const int64_t value_bytes = N * vd[2] * (bits == 32 ? 4 : 1), groups = N * (K / group);
+  std::vector<int64_t> order(M);
+  for (int64_t m = 0; m < M; ++m) order[m] = m;
+  std::stable_sort(order.begin(), order.end(), [expert](int64_t a, int64_t b) { return expert[a] < expert[b]; });
+  std::vector<float> xs, ys;
+  for (int64_t i = 0; i < M;) {
+    const int32_t e = expert[order[i]];
+    int64_t j = i;
+    while (j < M && expert[order[j]] == e) ++j;
+    const int64_t rows = j - i;
+    xs.resize(rows * K);
+    ys.resize(rows * N);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(&xs[r * K], x.typed_data() + order[i + r] * K, K * sizeof(float));
+    const Problem p{xs.data(),
+                    static_cast<const char*>(values.untyped_data()) + e * value_bytes,
+                    bits == 32 ? nullptr : scales.typed_data() + e * groups,
+                    has_mins ? mins.typed_data() + e * groups : nullptr,
+                    ys.data(),
+                    rows,
+                    K,
+                    N,
+                    group,
+                    static_cast<int>(offset)};
+    Run(pool, p, bits, has_mins, act_bits, 0);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(y->typed_data() + order[i + r] * N, &ys[r * N], N * sizeof(float));
+    i = j;
   }
   return ffi::Error::Success();
 }
@@ -666,6 +733,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQmatmul, Qmatmul,
                                   .Attr<bool>("has_mins")
                                   .Attr<int64_t>("act_bits")
                                   .Attr<int64_t>("mutant"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQmatmulRows, QmatmulRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()  // values [E, N, Kv]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [E, N, K / G]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // mins [E, N, K / G] (any shape when absent)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids [M]: each row's matrix
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<bool>("has_mins")
+                                  .Attr<int64_t>("act_bits"));
 
 #if defined(SPECJAX_VNNI)
 extern "C" const char* SpecjaxQmatmulIsa() { return "avx512-vnni"; }
