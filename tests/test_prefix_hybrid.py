@@ -15,6 +15,7 @@ from specjax.drafters import make_drafter
 from specjax.engine import slots
 from specjax.engine.requests import Request
 from specjax.engine.scheduler import Scheduler
+from specjax.sampling import SamplingParams
 from conftest import FIXTURES
 from test_prefix_cache import QUESTIONS, SYSTEM
 from test_scheduler import served
@@ -89,13 +90,14 @@ def test_starting_past_pages_without_their_state_is_caught(hybrid, monkeypatch):
 # -- copy-on-write (dense target)
 
 
-def chat(engine, prompts_after, prefix_cache=True, num_draft=0):
+def chat(engine, prompts_after, prefix_cache=True, num_draft=0, sampling=None):
   """A prompt, then prompts continuing it (its answer, more text): returns (results, metrics, whether the cached
   pages kept their bytes)."""
+  sampling = sampling or SamplingParams()
   with Scheduler(engine, max_slots=2, max_seq_len=160, num_draft=num_draft, prefix_cache=prefix_cache) as s:
-    first = served(s, [Request(prompts_after[0], MAX_NEW)])[0]
+    first = served(s, [Request(prompts_after[0], MAX_NEW, sampling)])[0]
     cached = {p: np.asarray(s.state.cache.k_pages[0][:, p]) for p in s.prefix._key_of} if prefix_cache else {}
-    rest = served(s, [Request(p(first.tokens), MAX_NEW) for p in prompts_after[1:]])
+    rest = served(s, [Request(p(first.tokens), MAX_NEW, sampling) for p in prompts_after[1:]])
     valid = {p: s.prefix._by_key[k].valid for p, k in s.prefix._key_of.items()} if prefix_cache else {}
     kept = all(
         np.array_equal(np.asarray(s.state.cache.k_pages[0][:, p, : valid[p]]), x[:, : valid[p]])
@@ -158,12 +160,18 @@ def hybrid_chat_case(offset):
 def test_a_hybrid_chats_next_turn_starts_past_the_answer(kind, offset):
   """A leaving hybrid row's recurrent state is snapshotted where its positions end (on its partly filled last
   page, or its last full page): the next turn restores it, copies that page, prefills only its new tokens, and
-  gives the tokens of the cache off; the cached pages keep their bytes."""
+  gives the tokens of the cache off; the cached pages keep their bytes. The n-gram cases sample (T = 0.3, seeded:
+  draws are keyed by seed, request and position, so a row restored from the leaver's state draws what a row
+  recomputed from scratch draws) and verify the next turn's drafts by rejection sampling on the restored state
+  (the tiny random model rejects them: residual draws)."""
   target, after = hybrid_chat_case(offset)
   engine = specjax.Engine(target, page_size=PAGE, drafter=make_drafter(kind, target) if kind else None, max_draft=3)
-  off, _, _ = chat(engine, after, prefix_cache=False, num_draft=3 if kind else 0)
-  on, metrics, kept = chat(engine, after, num_draft=3 if kind else 0)
+  options = dict(num_draft=3, sampling=SamplingParams(temperature=0.3, seed=6)) if kind else {}
+  off, _, _ = chat(engine, after, prefix_cache=False, **options)
+  on, metrics, kept = chat(engine, after, **options)
   assert [r.tokens for r in on] == [r.tokens for r in off]
+  if kind:  # drafts verified on the restored turn
+    assert on[1].stats.drafted > 0, on[1].stats
   assert len(on[0].tokens) == MAX_NEW  # no early EOS: the leaver's positions end where the case says
   history = len(after[0]) + MAX_NEW - 1
   assert metrics['prefix_hit_tokens'] == history and metrics['prefix_restored'] == 1, metrics
