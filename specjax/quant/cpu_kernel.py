@@ -1,6 +1,7 @@
 """A CPU matmul that keeps weights quantized: `jax.ffi` custom call into specjax/quant/cpu/qmatmul.cc.
 
   y = qmatmul(x, values, scales, mins, bits=8, group=32, offset=0)  # x [..., K] float32 -> y [..., N] float32
+  y = qmatmul_rows(x, values, scales, mins, ids, bits=8, group=32)  # routed experts: y[m] = x[m] @ w[ids[m]]
 
 A matrix of K inputs and N outputs is stored output-major ([N, K], an embedding table's layout) in groups of G
 consecutive k (G even, K a multiple of G; G = K is per channel):

@@ -31,6 +31,10 @@
 // offset) times qsum[m, b]. Other channels and formats go one (m, n) at a time (AVX2: vpmaddubsw on |v| and
 // q * sign(v); else scalar).
 //
+// SpecjaxQmatmulRows (routed experts): values, scales and mins carry a leading expert axis E and each row m names
+// its matrix ids[m]; the rows of each expert are gathered into one problem of the kind above, so every y[m, n] has
+// the bits a one-row product with that expert gives.
+//
 // Threads: channel blocks are shared out over XLA:CPU's own intra-op thread pool (the FFI ThreadPool context);
 // the calling thread works too, so a pool that runs tasks late or inline still finishes.
 
