@@ -77,19 +77,16 @@ def draft_quant_for(target, asked: str | None, *, gguf: bool = False) -> tuple[s
 
 def quantize_head(target, params, options) -> Any:
   """A drafter head's `Weight` projections quantized as `--draft-quant` or the target says (in place); a float
-  float32 head's MoE experts and routers on the CPU kernel, as a float target's (`kernel_floats`)."""
-  import jax.numpy as jnp
-
-  from specjax.quant import ops
-  from specjax.quant.params import kernel_floats, quantize_params, set_act, settle
+  float32 head's MoE experts and routers on the CPU kernel, as a float target's (`float_experts_on_kernel`)."""
+  from specjax.quant.params import float_experts_on_kernel, quantize_params, set_act, settle
 
   quant, group, act = draft_quant_for(target, options.draft_quant)
   if quant is not None:
     quantize_params(params, quant, group=group, embedding=False)
     set_act(params, act)
     settle(params, getattr(target, 'dtype', None) or 'float32')
-  elif getattr(target, 'dtype', None) == jnp.float32 and getattr(target, 'mesh', None) is None and ops.uses_kernel():
-    kernel_floats(params, experts=True)
+  else:
+    float_experts_on_kernel(params, getattr(target, 'dtype', None), getattr(target, 'mesh', None))
   return params
 
 

@@ -13,9 +13,9 @@ from flax import nnx
 from specjax.errors import SpecjaxError
 from specjax.loading.checkpoint import Checkpoint, GenerationDefaults, release_host_memory  # noqa: F401 (API)
 from specjax.loading.registry import DEMO_MODELS, family_for
-from specjax.quant import ops
 from specjax.quant.formats import QUANT_ACTS, QUANT_CHOICES, QMatrix, to_device
-from specjax.quant.params import kernel_floats, quantize_params, quantized_kinds, set_act, settle
+from specjax.quant.params import float_experts_on_kernel, kernel_floats, quantize_params, quantized_kinds, set_act
+from specjax.quant.params import settle
 
 HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')
 
@@ -224,8 +224,8 @@ def build_model(
     quantize_params(state, quant, group=quant_group, embedding=quant_embedding)
   if quant:
     set_act(kernel_floats(state), quant_act)
-  elif mesh is None and dt == jnp.float32 and ops.uses_kernel():  # float MoE experts and routers on the kernel
-    kernel_floats(state, experts=True)
+  else:
+    float_experts_on_kernel(state, dt, mesh)
   quant = quant and describe_quant(state, quant, quant_group, dt, quant_act)
   layout = abstract.cache_layout()
   release_host_memory()

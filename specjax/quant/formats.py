@@ -108,13 +108,11 @@ class QMatrix:
   def rows(self, index) -> QMatrix:
     """The storage rows (outputs) at `index` (an int array or a slice), as a QMatrix."""
     assert self.ndim == 2, 'a stack of experts selects whole matrices (`experts`)'
-    take = lambda x: None if x is None else x[index]
-    return dataclasses.replace(self, values=self.values[index], scales=take(self.scales), mins=take(self.mins))
+    return jax.tree.map(lambda x: x[index], self)
 
   def experts(self, ids) -> QMatrix:
     """The matrices `ids` (an int array) of a stack, still quantized: leaves `[*ids.shape, N, .]`."""
-    take = lambda x: None if x is None else x[ids]
-    return dataclasses.replace(self, values=self.values[ids], scales=take(self.scales), mins=take(self.mins))
+    return jax.tree.map(lambda x: x[ids], self)
 
 
 def concatenate(parts, axis: int = 0, **kwargs) -> QMatrix:
@@ -191,11 +189,7 @@ def quantize(w: np.ndarray, mode: str, *, out_axis: int, group: int = 32) -> QMa
   'f32' (kept float, for the kernel); a stack `[E, ., .]` of them (routed experts) matrix by matrix."""
   w = np.asarray(w, np.float32)
   if w.ndim == 3:
-    parts = [quantize(m, mode, out_axis=out_axis, group=group) for m in w]
-    stack = lambda *xs: None if xs[0] is None else np.stack(xs)
-    return dataclasses.replace(
-        parts[0], **{f: stack(*(getattr(p, f) for p in parts)) for f in ('values', 'scales', 'mins')}
-    )
+    return jax.tree.map(lambda *xs: np.stack(xs), *(quantize(m, mode, out_axis=out_axis, group=group) for m in w))
   storage = w if out_axis == 0 else w.T
   n, k = storage.shape
   if mode == 'f32':

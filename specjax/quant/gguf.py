@@ -17,8 +17,7 @@ the block's f16 scale and its integer sub-scale (exact in float32), so
 
 from __future__ import annotations
 
-import dataclasses
-
+import jax
 import numpy as np
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
@@ -44,9 +43,7 @@ def repack(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> QMatrix:
   3-D tensor, stacked experts: one matrix each, every leaf with the leading E)."""
   if len(shape) == 3:
     e, n, k = shape
-    q = repack(raw.reshape(e * n, -1), qtype, (e * n, k))
-    stack = lambda x: None if x is None else x.reshape(e, n, -1)
-    return dataclasses.replace(q, values=stack(q.values), scales=stack(q.scales), mins=stack(q.mins))
+    return jax.tree.map(lambda x: x.reshape(e, n, -1), repack(raw.reshape(e * n, -1), qtype, (e * n, k)))
   qtype = T(qtype)
   n, k = shape
   block, size = quants.GGML_QUANT_SIZES[qtype]

@@ -46,6 +46,14 @@ def kernel_floats(state: nnx.State, experts: bool = False) -> nnx.State:
   return state
 
 
+def float_experts_on_kernel(state: nnx.State, dtype, mesh=None) -> nnx.State:
+  """A float32 model's (or head's) MoE experts and routers as kind 'f32' stacks, in place, where the CPU kernel
+  runs them and no mesh shards them (`kernel_floats(experts=True)`); elsewhere (GPU, bfloat16, a mesh) unchanged."""
+  if mesh is None and dtype == jnp.float32 and ops.uses_kernel():
+    kernel_floats(state, experts=True)
+  return state
+
+
 def set_act(state: nnx.State, act: str) -> nnx.State:
   """Every quantized `QMatrix` weight's activation mode ('float' or 'int8'), in place (kind 'f32' stays float)."""
   for _, var in _weights(state, True):
